@@ -1,0 +1,38 @@
+#include "common/retry.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace psflow {
+
+bool IsRetryable(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
+}
+
+Backoff::Backoff(const RetryOptions& options)
+    : options_(options), current_(options.initial_backoff) {}
+
+absl::Duration Backoff::Next() {
+  const double factor =
+      options_.jitter > 0 ? absl::Uniform(gen_, 1.0 - options_.jitter, 1.0 + options_.jitter) : 1.0;
+  const absl::Duration wait = current_ * factor;
+  current_ = std::min(current_ * options_.multiplier, options_.max_backoff);
+  return wait;
+}
+
+absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt) {
+  Backoff backoff(options);
+  absl::Status status;
+  const int attempts = std::max(1, options.max_attempts);
+  for (int i = 1; i <= attempts; ++i) {
+    status = attempt();
+    if (status.ok() || !IsRetryable(status)) return status;
+    if (i == attempts) break;
+    absl::SleepFor(backoff.Next());
+  }
+  return absl::Status(status.code(),
+                      absl::StrCat(status.message(), " (gave up after ", attempts, " attempts)"));
+}
+
+}  // namespace psflow

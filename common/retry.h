@@ -1,0 +1,48 @@
+// Retry with capped exponential backoff and jitter, for calls that failed
+// with a transient status (UNAVAILABLE, DEADLINE_EXCEEDED).
+#ifndef PSFLOW_COMMON_RETRY_H_
+#define PSFLOW_COMMON_RETRY_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/random/random.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace psflow {
+
+struct RetryOptions {
+  absl::Duration initial_backoff = absl::Milliseconds(50);
+  absl::Duration max_backoff = absl::Seconds(5);
+  double multiplier = 2.0;
+  double jitter = 0.2;     // each wait is scaled by a factor in [1-jitter, 1+jitter]
+  int max_attempts = 10;   // attempts in all, the first included
+};
+
+// True for the codes worth retrying: UNAVAILABLE and DEADLINE_EXCEEDED.
+bool IsRetryable(const absl::Status& status);
+
+// Backoff schedule of one logical call. Not thread-safe.
+class Backoff {
+ public:
+  explicit Backoff(const RetryOptions& options);
+  // The wait before the next attempt; grows by `multiplier` up to
+  // `max_backoff`, with jitter.
+  absl::Duration Next();
+
+ private:
+  RetryOptions options_;
+  absl::Duration current_;
+  absl::BitGen gen_;
+};
+
+// Runs `attempt` until it succeeds, fails with a non-retryable status, or
+// `max_attempts` are spent; sleeps per Backoff between attempts. The final
+// error says how many attempts were made.
+absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt);
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_RETRY_H_

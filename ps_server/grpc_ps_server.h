@@ -1,0 +1,60 @@
+// PsServer: one PS shard served over gRPC, with the standard health service
+// (for Kubernetes probes) and server reflection. Used by ps_server's main and,
+// in-process on an ephemeral port, by the tests and benchmarks.
+#ifndef PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_
+#define PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "ps_server/variable_store.h"
+
+namespace grpc {
+class Server;
+}  // namespace grpc
+
+namespace psflow::server {
+
+struct PsServerOptions {
+  // "host:port" (port 0 picks a free one) or "unix:/path/to/socket".
+  std::string address = "0.0.0.0:0";
+  VariableStoreOptions store;
+  // Most threads gRPC may use to serve calls; 0 leaves gRPC's default.
+  int threads = 0;
+};
+
+// Thread-safe.
+class PsServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<PsServer>> Start(const PsServerOptions& options);
+  ~PsServer();  // shuts down if still running
+
+  // The bound port (0 for a unix socket).
+  int port() const { return port_; }
+  // An address clients on this host can dial: "localhost:PORT" or the unix one.
+  std::string client_address() const;
+  VariableStore& store() { return *store_; }
+
+  // Stops accepting calls, lets calls in flight finish for up to `grace`,
+  // then cancels them. Idempotent.
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  class Service;
+  PsServer() = default;
+  PsServerOptions options_;
+  std::unique_ptr<VariableStore> store_;
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  std::atomic<bool> shut_down_{false};
+};
+
+}  // namespace psflow::server
+
+#endif  // PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_

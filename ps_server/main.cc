@@ -1,0 +1,154 @@
+// ps_server: one shard of psflow's parameter servers.
+//
+//   ps_server --port=2222 --shard_index=0 --num_shards=2
+//   TF_CONFIG='{"cluster":{"ps":["h0:2222","h1:2222"],...},"task":{"type":"ps","index":1}}' ps_server
+//
+// Flags win over TF_CONFIG. SIGTERM or SIGINT shut the server down
+// gracefully (calls in flight may finish).
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "common/cluster_spec.h"
+#include "common/process_stats.h"
+#include "ps_server/grpc_ps_server.h"
+
+ABSL_FLAG(int, port, -1,
+          "Port to listen on (0 picks a free one). Default: the port of this task's address "
+          "in TF_CONFIG / --ps_hosts, else 2222.");
+ABSL_FLAG(std::string, address, "",
+          "Full listen address instead of --port, e.g. 0.0.0.0:2222 or unix:/tmp/ps0.sock.");
+ABSL_FLAG(int, shard_index, -1, "This shard's index (default: TF_CONFIG task.index, else 0).");
+ABSL_FLAG(int, num_shards, -1,
+          "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1).");
+ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
+ABSL_FLAG(std::string, optimizer, "adam", "Optimizer applied to pushed gradients: adam|sgd|adagrad.");
+ABSL_FLAG(double, learning_rate, 0.001, "Learning rate of the optimizer.");
+ABSL_FLAG(double, beta_1, 0.9, "Adam: decay of the first moment.");
+ABSL_FLAG(double, beta_2, 0.999, "Adam: decay of the second moment.");
+ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7).");
+ABSL_FLAG(double, momentum, 0.0, "SGD: momentum (0 = plain SGD).");
+ABSL_FLAG(bool, nesterov, false, "SGD: Nesterov momentum.");
+ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator value.");
+ABSL_FLAG(int, threads, 0, "Most threads serving calls (0 = gRPC's default).");
+ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
+          "Largest tensor data accepted in one stream message, and the largest sent in a Pull.");
+ABSL_FLAG(bool, allow_non_finite_gradients, false,
+          "Accept gradients containing NaN or Inf (rejected with INVALID_ARGUMENT by default).");
+
+namespace {
+
+using psflow::server::PsServer;
+using psflow::server::PsServerOptions;
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "ps_server: %s\n", std::string(status.ToString()).c_str());
+  return 1;
+}
+
+absl::StatusOr<PsServerOptions> BuildOptions() {
+  PsServerOptions options;
+  psflow::server::OptimizerOptions& opt = options.store.optimizer;
+  auto kind = psflow::server::ParseOptimizerKind(absl::GetFlag(FLAGS_optimizer));
+  if (!kind.ok()) return kind.status();
+  opt.kind = *kind;
+  opt.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  opt.beta_1 = static_cast<float>(absl::GetFlag(FLAGS_beta_1));
+  opt.beta_2 = static_cast<float>(absl::GetFlag(FLAGS_beta_2));
+  opt.epsilon = static_cast<float>(absl::GetFlag(FLAGS_epsilon));
+  opt.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  opt.nesterov = absl::GetFlag(FLAGS_nesterov);
+  opt.initial_accumulator_value = static_cast<float>(absl::GetFlag(FLAGS_initial_accumulator_value));
+  options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
+  options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
+  options.threads = absl::GetFlag(FLAGS_threads);
+
+  // Identity: TF_CONFIG and --ps_hosts, then the explicit flags.
+  int shard_index = 0, num_shards = 1, port = 2222;
+  const char* tf_config = std::getenv("TF_CONFIG");
+  const bool have_cluster = (tf_config != nullptr && *tf_config != '\0') ||
+                            !absl::GetFlag(FLAGS_ps_hosts).empty();
+  if (have_cluster) {
+    psflow::ClusterFlags flags;
+    flags.ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
+    if (absl::GetFlag(FLAGS_shard_index) >= 0) {
+      flags.task_type = "ps";
+      flags.task_index = absl::GetFlag(FLAGS_shard_index);
+    }
+    auto cluster = psflow::ResolveCluster(tf_config, flags);
+    if (!cluster.ok()) return cluster.status();
+    if (cluster->task_type != "ps") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "this process's task is \"", cluster->task_type, "\" ", cluster->task_index,
+          "; ps_server serves a \"ps\" task (set TF_CONFIG task.type to \"ps\")"));
+    }
+    shard_index = cluster->task_index;
+    num_shards = static_cast<int>(cluster->ps.size());
+    auto address = cluster->task_address();
+    if (address.ok()) {
+      std::vector<std::string> hp = absl::StrSplit(*address, ':');
+      if (hp.size() >= 2) (void)absl::SimpleAtoi(hp.back(), &port);
+    }
+  }
+  if (absl::GetFlag(FLAGS_shard_index) >= 0) shard_index = absl::GetFlag(FLAGS_shard_index);
+  if (absl::GetFlag(FLAGS_num_shards) >= 0) num_shards = absl::GetFlag(FLAGS_num_shards);
+  if (absl::GetFlag(FLAGS_port) >= 0) port = absl::GetFlag(FLAGS_port);
+  if (port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("--port=", port, " is not in 0..65535"));
+  }
+  options.store.shard_index = shard_index;
+  options.store.num_shards = num_shards;
+  options.address = absl::GetFlag(FLAGS_address).empty() ? absl::StrCat("0.0.0.0:", port)
+                                                         : absl::GetFlag(FLAGS_address);
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "psflow parameter-server shard.\n"
+      "  ps_server --port=2222 --shard_index=0 --num_shards=2 [--optimizer=adam ...]\n"
+      "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"ps\").");
+  absl::ParseCommandLine(argc, argv);
+  psflow::TuneAllocatorForLargeMessages();
+
+  // Block the shutdown signals in every thread (gRPC's included) and wait
+  // for them here.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  auto options = BuildOptions();
+  if (!options.ok()) return Fail(options.status());
+  auto server = PsServer::Start(*options);
+  if (!server.ok()) return Fail(server.status());
+
+  std::printf("ps_server: shard %d of %d listening on %s (port %d), optimizer %s\n",
+              options->store.shard_index, options->store.num_shards, options->address.c_str(),
+              (*server)->port(), (*server)->store().optimizer().DebugString().c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::printf("ps_server: shard %d received %s, shutting down\n", options->store.shard_index,
+              sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  std::fflush(stdout);
+  (*server)->Shutdown(absl::Seconds(5));
+  const auto stats = (*server)->store().stats();
+  std::printf("ps_server: shard %d stopped after %lld pushes (%lld rejected)\n",
+              options->store.shard_index, static_cast<long long>(stats.pushes),
+              static_cast<long long>(stats.rejected_requests));
+  return 0;
+}

@@ -1,0 +1,387 @@
+#include "ps_server/variable_store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "common/float_buffer.h"
+#include "common/status_macros.h"
+
+namespace psflow::server {
+
+namespace {
+
+std::string ShapeString(const std::vector<int64_t>& shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
+
+absl::Status ValidateDefinition(const PartDefinition& def) {
+  if (def.variable.empty()) return absl::InvalidArgumentError("a part has an empty variable name");
+  for (int64_t d : def.variable_shape) {
+    if (d <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("variable '", def.variable, "' has shape ",
+                                                     ShapeString(def.variable_shape),
+                                                     "; every dimension must be positive"));
+    }
+  }
+  const int64_t rows = def.variable_shape.empty() ? 1 : def.variable_shape[0];
+  if (def.row_begin < 0 || def.row_end <= def.row_begin || def.row_end > rows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("variable '", def.variable, "' part has rows [", def.row_begin, ",",
+                     def.row_end, "); expected a non-empty range within [0,", rows, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// First non-finite value in data[0, n), or -1. The bit test vectorizes.
+int64_t FirstNonFinite(const float* data, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, 4);
+    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!any) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) return i;
+  }
+  return -1;
+}
+
+}  // namespace
+
+int64_t PartDefinition::num_elements() const {
+  int64_t row = 1;
+  for (size_t i = 1; i < variable_shape.size(); ++i) row *= variable_shape[i];
+  return (row_end - row_begin) * row;
+}
+
+std::string PartDefinition::DebugString() const {
+  return absl::StrFormat("%s %s rows [%d,%d) plan %016x", variable, ShapeString(variable_shape),
+                         row_begin, row_end, plan_fingerprint);
+}
+
+bool PartDefinition::SameLayout(const PartDefinition& other) const {
+  return variable == other.variable && variable_shape == other.variable_shape &&
+         row_begin == other.row_begin && row_end == other.row_end;
+}
+
+absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
+    const VariableStoreOptions& options) {
+  if (options.num_shards < 1 || options.shard_index < 0 ||
+      options.shard_index >= options.num_shards) {
+    return absl::InvalidArgumentError(absl::StrCat("shard index ", options.shard_index,
+                                                   " is outside 0..", options.num_shards - 1));
+  }
+  if (options.max_chunk_bytes < 4) {
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,
+                                                   "; expected at least 4"));
+  }
+  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
+                          Optimizer::Create(options.optimizer));
+  return std::unique_ptr<VariableStore>(new VariableStore(options, std::move(optimizer)));
+}
+
+VariableStore::VariableStore(const VariableStoreOptions& options,
+                             std::unique_ptr<Optimizer> optimizer)
+    : options_(options), optimizer_(std::move(optimizer)) {}
+
+VariableStore::~VariableStore() = default;
+
+std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition& def) const {
+  auto part = std::make_unique<Part>(def);
+  absl::MutexLock lock(&part->mu);
+  part->params = FloatBuffer(part->num_elements);
+  for (int i = 0; i < optimizer_->num_slots(); ++i) {
+    part->slots.emplace_back(part->num_elements, optimizer_->slot_initial_value(i));
+  }
+  return part;
+}
+
+absl::StatusOr<VariableStore::Part*> VariableStore::FindPart(absl::string_view variable) const {
+  absl::ReaderMutexLock lock(&parts_mu_);
+  auto it = parts_.find(variable);
+  if (it != parts_.end()) return it->second.get();
+  std::vector<std::string> names;
+  for (const auto& [name, part] : parts_) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  if (names.size() > 8) {
+    names.resize(8);
+    names.push_back("...");
+  }
+  return absl::NotFoundError(absl::StrCat("variable '", variable, "' is not on ps shard ",
+                                          options_.shard_index, " (it holds ",
+                                          names.empty() ? "no variables yet; has the chief "
+                                                          "registered the model?"
+                                                        : absl::StrJoin(names, ", "),
+                                          ")"));
+}
+
+absl::Status VariableStore::CheckSegment(const Part& part, int64_t offset, const void* data,
+                                         int64_t count, bool check_values) const {
+  if (count * 4 > options_.max_chunk_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment of '", part.def.variable, "' carries ", count * 4,
+        " bytes; this server accepts at most ", options_.max_chunk_bytes, " per segment"));
+  }
+  if (offset < 0 || count < 0 || offset + count > part.num_elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment of '", part.def.variable, "' covers elements [", offset, ",", offset + count,
+        ") but its part on ps shard ", options_.shard_index, " has ", part.num_elements,
+        " elements (", part.def.DebugString(), ")"));
+  }
+  if (check_values) {
+    const int64_t bad = FirstNonFinite(static_cast<const float*>(data), count);
+    if (bad >= 0) {
+      float v;
+      std::memcpy(&v, static_cast<const char*>(data) + 4 * bad, 4);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "gradient for '", part.def.variable, "' has a non-finite value (", v, ") at element ",
+          offset + bad, " of its part; rejected (start ps_server with "
+                        "--allow_non_finite_gradients to accept such values)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- Registration ----
+
+absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::BeginRegistration(
+    uint64_t plan_fingerprint, int num_shards, int shard_index, std::vector<PartDefinition> parts) {
+  if (num_shards != options_.num_shards || shard_index != options_.shard_index) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "registration is for shard ", shard_index, " of ", num_shards,
+        ", but this server is shard ", options_.shard_index, " of ", options_.num_shards,
+        " (check --ps_hosts / TF_CONFIG: every process must list the same ps tasks in the "
+        "same order)"));
+  }
+  auto reg = std::unique_ptr<Registration>(new Registration(this));
+  for (PartDefinition& def : parts) {
+    def.plan_fingerprint = plan_fingerprint;
+    PSFLOW_RETURN_IF_ERROR(ValidateDefinition(def));
+    if (reg->pending_.contains(def.variable)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("variable '", def.variable, "' appears twice in one registration"));
+    }
+    Registration::Pending pending;
+    bool exists = false;
+    {
+      absl::ReaderMutexLock lock(&parts_mu_);
+      auto it = parts_.find(def.variable);
+      if (it != parts_.end()) {
+        const PartDefinition& have = it->second->def;
+        if (!have.SameLayout(def) || have.plan_fingerprint != def.plan_fingerprint) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "variable '", def.variable, "' is registered on ps shard ", options_.shard_index,
+              " as ", have.DebugString(), " but this registration has ", def.DebugString(),
+              "; every worker must build the same model and plan"));
+        }
+        exists = true;
+      }
+    }
+    const std::string name = def.variable;
+    if (!exists) pending.part = NewPart(def);  // allocated outside the table lock
+    reg->pending_.emplace(name, std::move(pending));
+  }
+  return reg;
+}
+
+VariableStore::Registration::~Registration() = default;
+
+absl::Status VariableStore::Registration::AddValues(absl::string_view variable, int64_t offset,
+                                                    const void* data, int64_t count) {
+  auto it = pending_.find(variable);
+  if (it == pending_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "initial values for '", variable, "' arrived, but the registration header has no part "
+        "of that variable"));
+  }
+  Pending& p = it->second;
+  if (p.part == nullptr) return absl::OkStatus();  // kept part: its values stay
+  Part& part = *p.part;
+  PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(part, offset, data, count, false));
+  if (offset != p.received) {
+    return absl::InvalidArgumentError(absl::StrCat("initial values of '", variable,
+                                                   "' must arrive in order: expected offset ",
+                                                   p.received, ", got ", offset));
+  }
+  absl::MutexLock lock(&part.mu);
+  std::memcpy(part.params.data() + offset, data, count * 4);
+  p.received += count;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
+  RegisterResult result;
+  for (const auto& [name, p] : pending_) {
+    if (p.part != nullptr && p.received != p.part->num_elements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "registration of '", name, "' ended after ", p.received, " of ", p.part->num_elements,
+          " initial values; nothing was registered"));
+    }
+  }
+  absl::MutexLock lock(&store_->parts_mu_);
+  for (auto& [name, p] : pending_) {
+    auto it = store_->parts_.find(name);
+    if (it != store_->parts_.end()) {
+      // Present already (kept, or registered meanwhile by another worker).
+      const PartDefinition& have = it->second->def;
+      const PartDefinition& want = p.part ? p.part->def : have;
+      if (!have.SameLayout(want) || have.plan_fingerprint != want.plan_fingerprint) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "variable '", name, "' was registered concurrently as ", have.DebugString(),
+            " which differs from ", want.DebugString()));
+      }
+      ++result.parts_kept;
+      continue;
+    }
+    if (p.part == nullptr) continue;
+    store_->parameter_bytes_ += p.part->num_elements * 4;
+    store_->plan_fingerprint_ = p.part->def.plan_fingerprint;
+    store_->parts_.emplace(name, std::move(p.part));
+    ++result.parts_created;
+  }
+  pending_.clear();
+  return result;
+}
+
+// ---- Push ----
+
+std::shared_ptr<VariableStore::LedgerEntry> VariableStore::LedgerFor(uint64_t request_id) {
+  if (request_id == 0) return std::make_shared<LedgerEntry>();  // no retry protection asked
+  absl::MutexLock lock(&ledger_mu_);
+  auto [it, inserted] = ledger_.try_emplace(request_id);
+  if (inserted) {
+    it->second = std::make_shared<LedgerEntry>();
+    ledger_order_.push_back(request_id);
+    while (static_cast<int>(ledger_order_.size()) > options_.request_ledger_size) {
+      ledger_.erase(ledger_order_.front());
+      ledger_order_.pop_front();
+    }
+  }
+  return it->second;
+}
+
+std::unique_ptr<VariableStore::PushSession> VariableStore::BeginPush(const PushHeaderInfo& header) {
+  return std::unique_ptr<PushSession>(new PushSession(this, LedgerFor(header.request_id)));
+}
+
+VariableStore::PushSession::~PushSession() = default;
+
+absl::StatusOr<VariableStore::Part*> VariableStore::PushSession::Find(absl::string_view variable) {
+  auto it = cache_.find(variable);
+  if (it != cache_.end()) return it->second;
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, store_->FindPart(variable));
+  cache_.emplace(std::string(variable), part);
+  return part;
+}
+
+absl::Status VariableStore::PushSession::Validate(absl::string_view variable, int64_t offset,
+                                                  const void* data, int64_t count) {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
+  return store_->CheckSegment(*part, offset, data, count,
+                              !store_->options_.allow_non_finite_gradients);
+}
+
+absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64_t offset,
+                                               const void* data, int64_t count) {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
+  PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(*part, offset, data, count,
+                                              !store_->options_.allow_non_finite_gradients));
+  if (count == 0) return absl::OkStatus();
+  // Protobuf's bytes are malloc'd and so float-aligned; copy if ever not.
+  std::vector<float> aligned;
+  const float* grad = static_cast<const float*>(data);
+  if (reinterpret_cast<uintptr_t>(data) % alignof(float) != 0) {
+    aligned.resize(count);
+    std::memcpy(aligned.data(), data, count * 4);
+    grad = aligned.data();
+  }
+  absl::MutexLock entry_lock(&entry_->mu);
+  LedgerEntry::Progress& progress = entry_->progress[part];
+  if (offset + count <= progress.applied) {
+    skipped_ += count;
+    store_->duplicate_elements_ += count;
+    return absl::OkStatus();
+  }
+  if (offset != progress.applied) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segments of '", variable, "' must arrive in order within a push: expected offset ",
+        progress.applied, ", got ", offset));
+  }
+  {
+    absl::MutexLock lock(&part->mu);
+    if (progress.step == 0) progress.step = ++part->version;
+    float* slots[4];
+    for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + offset;
+    store_->optimizer_->Apply(progress.step, part->params.data() + offset, slots, grad, count);
+  }
+  progress.applied += count;
+  applied_ += count;
+  store_->elements_applied_ += count;
+  return absl::OkStatus();
+}
+
+void VariableStore::PushSession::Finish(const absl::Status& status) {
+  if (status.ok()) {
+    ++store_->pushes_;
+  } else {
+    ++store_->rejected_requests_;
+  }
+}
+
+// ---- Reads ----
+
+absl::StatusOr<int64_t> VariableStore::Read(absl::string_view variable, int64_t offset,
+                                            int64_t count, void* out) const {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
+  if (offset < 0 || count < 0 || offset + count > part->num_elements) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "read of '", variable, "' elements [", offset, ",", offset + count, ") but its part on ",
+        "ps shard ", options_.shard_index, " has ", part->num_elements, " elements"));
+  }
+  absl::ReaderMutexLock lock(&part->mu);
+  std::memcpy(out, part->params.data() + offset, count * 4);
+  return part->version;
+}
+
+std::vector<PartSnapshot> VariableStore::ListParts() const {
+  std::vector<PartSnapshot> out;
+  absl::ReaderMutexLock lock(&parts_mu_);
+  out.reserve(parts_.size());
+  for (const auto& [name, part] : parts_) {
+    absl::ReaderMutexLock part_lock(&part->mu);
+    out.push_back({part->def, part->num_elements, part->version});
+  }
+  std::sort(out.begin(), out.end(),
+            [](const PartSnapshot& a, const PartSnapshot& b) { return a.def.variable < b.def.variable; });
+  return out;
+}
+
+absl::StatusOr<PartSnapshot> VariableStore::GetPart(absl::string_view variable) const {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
+  absl::ReaderMutexLock lock(&part->mu);
+  return PartSnapshot{part->def, part->num_elements, part->version};
+}
+
+uint64_t VariableStore::plan_fingerprint() const {
+  absl::ReaderMutexLock lock(&parts_mu_);
+  return plan_fingerprint_;
+}
+
+StoreStats VariableStore::stats() const {
+  StoreStats s;
+  s.pushes = pushes_;
+  s.elements_applied = elements_applied_;
+  s.duplicate_elements = duplicate_elements_;
+  s.rejected_requests = rejected_requests_;
+  s.parameter_bytes = parameter_bytes_;
+  return s;
+}
+
+}  // namespace psflow::server

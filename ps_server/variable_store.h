@@ -1,0 +1,210 @@
+// VariableStore: one PS shard's parts (parameters, optimizer slots, step
+// count and version) and the rules for registering, pulling and pushing them.
+// It knows nothing of RPC; grpc_ps_service.cc adapts it to the wire.
+//
+// Thread-safe. Each part has its own lock, so pushes to different parts run
+// in parallel; the part table has a reader-writer lock taken only to find a
+// part or to add new ones.
+#ifndef PSFLOW_PS_SERVER_VARIABLE_STORE_H_
+#define PSFLOW_PS_SERVER_VARIABLE_STORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/float_buffer.h"
+#include "ps_server/optimizer.h"
+
+namespace psflow::server {
+
+struct VariableStoreOptions {
+  int shard_index = 0;
+  int num_shards = 1;
+  OptimizerOptions optimizer;             // Adam with Keras defaults
+  bool allow_non_finite_gradients = false;  // NaN/Inf gradients are rejected by default
+  // Largest segment (bytes of float data) accepted in one message.
+  int64_t max_chunk_bytes = 4 << 20;
+  // Push request ids remembered for exactly-once retries.
+  int request_ledger_size = 8192;
+};
+
+// Where a part sits in its variable: rows [row_begin, row_end) of dimension 0.
+struct PartDefinition {
+  std::string variable;
+  std::vector<int64_t> variable_shape;
+  int64_t row_begin = 0;
+  int64_t row_end = 0;
+  uint64_t plan_fingerprint = 0;
+
+  int64_t num_elements() const;
+  std::string DebugString() const;  // "dense/kernel [21632,128] rows [0,10816)"
+  bool SameLayout(const PartDefinition& other) const;  // all but the fingerprint
+};
+
+struct PartSnapshot {
+  PartDefinition def;
+  int64_t num_elements = 0;
+  int64_t version = 0;
+};
+
+struct StoreStats {
+  int64_t pushes = 0;              // push sessions finished without error
+  int64_t elements_applied = 0;
+  int64_t duplicate_elements = 0;  // skipped on a retried request id
+  int64_t rejected_requests = 0;
+  int64_t parameter_bytes = 0;
+};
+
+struct RegisterResult {
+  int parts_created = 0;
+  int parts_kept = 0;
+};
+
+struct PushHeaderInfo {
+  int32_t worker_id = 0;
+  int64_t step = 0;
+  int64_t read_version = 0;
+  uint64_t request_id = 0;
+};
+
+class VariableStore {
+  struct Part {
+    explicit Part(PartDefinition d) : def(std::move(d)), num_elements(def.num_elements()) {}
+    const PartDefinition def;
+    const int64_t num_elements;
+    mutable absl::Mutex mu;
+    FloatBuffer params ABSL_GUARDED_BY(mu);
+    std::vector<FloatBuffer> slots ABSL_GUARDED_BY(mu);
+    // Pushes applied so far; also the optimizer's step count for this part.
+    int64_t version ABSL_GUARDED_BY(mu) = 0;
+  };
+
+  // What one request id has applied: per part, the step it was given and the
+  // contiguous prefix of elements already updated.
+  struct LedgerEntry {
+    struct Progress {
+      int64_t step = 0;
+      int64_t applied = 0;
+    };
+    absl::Mutex mu;
+    absl::flat_hash_map<const Part*, Progress> progress ABSL_GUARDED_BY(mu);
+  };
+
+ public:
+  static absl::StatusOr<std::unique_ptr<VariableStore>> Create(const VariableStoreOptions& options);
+  ~VariableStore();
+
+  const VariableStoreOptions& options() const { return options_; }
+  const Optimizer& optimizer() const { return *optimizer_; }
+
+  // One RegisterVariables call. New parts are filled by AddValues and become
+  // visible together at Commit, only if every element arrived; parts already
+  // present with the same layout and fingerprint are kept untouched. Not
+  // thread-safe; destroying it without Commit drops the new parts.
+  class Registration {
+   public:
+    ~Registration();
+    // `data` holds `count` float32 values for elements [offset, offset+count)
+    // of `variable`'s part. Values for kept parts are ignored.
+    absl::Status AddValues(absl::string_view variable, int64_t offset, const void* data,
+                           int64_t count);
+    absl::StatusOr<RegisterResult> Commit();
+
+   private:
+    friend class VariableStore;
+    explicit Registration(VariableStore* store) : store_(store) {}
+    VariableStore* store_;
+    struct Pending {
+      std::unique_ptr<Part> part;  // null for a kept part
+      int64_t received = 0;        // contiguous prefix of initial values
+    };
+    absl::flat_hash_map<std::string, Pending> pending_;
+  };
+  // Validates the header: shard count and index must match this store; a part
+  // already present with another layout or fingerprint is
+  // FAILED_PRECONDITION naming the variable and both definitions.
+  absl::StatusOr<std::unique_ptr<Registration>> BeginRegistration(
+      uint64_t plan_fingerprint, int num_shards, int shard_index,
+      std::vector<PartDefinition> parts);
+
+  // One Push call. Apply() validates a segment fully before touching any
+  // value and applies the optimizer to it at once; see proto/psflow.proto for
+  // the exactly-once rule per request id. Not thread-safe.
+  class PushSession {
+   public:
+    ~PushSession();
+    // `data` holds `count` float32 gradient values for elements
+    // [offset, offset+count) of `variable`'s part.
+    absl::Status Apply(absl::string_view variable, int64_t offset, const void* data,
+                       int64_t count);
+    // Checks a segment without applying it (used to validate a whole message
+    // before any of its segments is applied).
+    absl::Status Validate(absl::string_view variable, int64_t offset, const void* data,
+                          int64_t count);
+    // Records the outcome: a session that saw an error counts as rejected.
+    void Finish(const absl::Status& status);
+    int64_t elements_applied() const { return applied_; }
+    int64_t elements_skipped() const { return skipped_; }
+
+   private:
+    friend class VariableStore;
+    PushSession(VariableStore* store, std::shared_ptr<LedgerEntry> entry)
+        : store_(store), entry_(std::move(entry)) {}
+    absl::StatusOr<Part*> Find(absl::string_view variable);
+    VariableStore* store_;
+    std::shared_ptr<LedgerEntry> entry_;
+    absl::flat_hash_map<std::string, Part*> cache_;
+    int64_t applied_ = 0;
+    int64_t skipped_ = 0;
+  };
+  std::unique_ptr<PushSession> BeginPush(const PushHeaderInfo& header);
+
+  // Copies `count` parameter values of `variable`'s part starting at
+  // `offset` into `out` (4 * count bytes); returns the part's version.
+  absl::StatusOr<int64_t> Read(absl::string_view variable, int64_t offset, int64_t count,
+                               void* out) const;
+
+  // Definitions and versions of every part, in name order.
+  std::vector<PartSnapshot> ListParts() const;
+  absl::StatusOr<PartSnapshot> GetPart(absl::string_view variable) const;
+  uint64_t plan_fingerprint() const;
+  StoreStats stats() const;
+
+ private:
+  VariableStore(const VariableStoreOptions& options, std::unique_ptr<Optimizer> optimizer);
+  absl::StatusOr<Part*> FindPart(absl::string_view variable) const;
+  std::unique_ptr<Part> NewPart(const PartDefinition& def) const;
+  std::shared_ptr<LedgerEntry> LedgerFor(uint64_t request_id);
+  absl::Status CheckSegment(const Part& part, int64_t offset, const void* data, int64_t count,
+                            bool check_values) const;
+
+  const VariableStoreOptions options_;
+  const std::unique_ptr<Optimizer> optimizer_;
+
+  mutable absl::Mutex parts_mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<Part>> parts_ ABSL_GUARDED_BY(parts_mu_);
+  uint64_t plan_fingerprint_ ABSL_GUARDED_BY(parts_mu_) = 0;
+
+  absl::Mutex ledger_mu_;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<LedgerEntry>> ledger_ ABSL_GUARDED_BY(ledger_mu_);
+  std::deque<uint64_t> ledger_order_ ABSL_GUARDED_BY(ledger_mu_);
+
+  std::atomic<int64_t> pushes_{0};
+  std::atomic<int64_t> elements_applied_{0};
+  std::atomic<int64_t> duplicate_elements_{0};
+  std::atomic<int64_t> rejected_requests_{0};
+  std::atomic<int64_t> parameter_bytes_{0};
+};
+
+}  // namespace psflow::server
+
+#endif  // PSFLOW_PS_SERVER_VARIABLE_STORE_H_

@@ -1,0 +1,361 @@
+#include "worker/grpc_ps_client.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/grpc_status.h"
+#include "common/status_macros.h"
+#include "grpcpp/grpcpp.h"
+#include "psflow.grpc.pb.h"
+
+namespace psflow::worker {
+namespace {
+
+int64_t FirstNonFinite(const float* data, int64_t n) {
+  uint32_t any = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, data + i, 4);
+    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+  }
+  if (!any) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(data[i])) return i;
+  }
+  return -1;
+}
+
+// Runs fn(shard) for every shard, in parallel, and returns the first error.
+absl::Status ForEachShard(int num_shards, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> results(num_shards);
+  std::vector<std::thread> threads;
+  threads.reserve(num_shards > 0 ? num_shards - 1 : 0);
+  for (int s = 1; s < num_shards; ++s) {
+    threads.emplace_back([&, s] { results[s] = fn(s); });
+  }
+  if (num_shards > 0) results[0] = fn(0);
+  for (auto& t : threads) t.join();
+  for (const absl::Status& status : results) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+class GrpcPsClient final : public PsClient {
+ public:
+  GrpcPsClient(PartitionPlan plan, const GrpcPsClientOptions& options)
+      : plan_(std::move(plan)), options_(options), shards_(plan_.num_shards()) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(-1);
+    args.SetMaxSendMessageSize(-1);
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      Shard& shard = shards_[s];
+      shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
+      shard.stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
+          options_.ps_addresses[s], grpc::InsecureChannelCredentials(), args));
+      shard.parts = plan_.PartsOnShard(s);
+      for (int p : shard.parts) {
+        const Part& part = plan_.parts()[p];
+        shard.by_name.emplace(plan_.variables()[part.variable_index].name, p);
+      }
+    }
+  }
+
+  const PartitionPlan& plan() const override { return plan_; }
+
+  absl::Status Register(absl::Span<const float* const> initial_values) override {
+    PSFLOW_RETURN_IF_ERROR(CheckCount(initial_values.size(), "Register"));
+    return ForEachShard(plan_.num_shards(), [&](int s) {
+      return RetryCall(options_.retry, [&] { return RegisterOnce(s, initial_values); });
+    });
+  }
+
+  absl::Status WaitForVariables(absl::Duration timeout) override {
+    const absl::Time deadline = absl::Now() + timeout;
+    Backoff backoff(options_.retry);
+    while (true) {
+      absl::Status missing = absl::OkStatus();
+      auto statuses = GetStatusOnce();
+      if (!statuses.ok()) {
+        missing = statuses.status();
+      } else {
+        for (int s = 0; s < plan_.num_shards() && missing.ok(); ++s) {
+          const StatusResponse& r = (*statuses)[s];
+          if (r.plan_fingerprint() != 0 && r.plan_fingerprint() != plan_.fingerprint()) {
+            return absl::FailedPreconditionError(absl::StrFormat(
+                "%s holds variables of another partition plan (fingerprint %016x, this worker's "
+                "is %016x): every process must use the same model and number of ps shards",
+                shards_[s].name, r.plan_fingerprint(), plan_.fingerprint()));
+          }
+          if (r.parts_size() < static_cast<int>(shards_[s].parts.size())) {
+            missing = absl::UnavailableError(absl::StrCat(
+                shards_[s].name, " holds ", r.parts_size(), " of its ", shards_[s].parts.size(),
+                " variables; is the chief (worker 0) running and registering the model?"));
+          }
+        }
+      }
+      if (missing.ok()) return absl::OkStatus();
+      if (!IsRetryable(missing)) return missing;
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            "variables were not registered within ", absl::FormatDuration(timeout), ": ",
+            missing.message()));
+      }
+      absl::SleepFor(std::min(backoff.Next(), deadline - absl::Now()));
+    }
+  }
+
+  absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) override {
+    PSFLOW_RETURN_IF_ERROR(CheckCount(values.size(), "Pull"));
+    std::vector<PullResult> results(plan_.num_shards());
+    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      return RetryCall(options_.retry, [&] { return PullOnce(s, values, &results[s]); });
+    }));
+    PullResult out;
+    bool first = true;
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      if (shards_[s].parts.empty()) continue;
+      out.min_version = first ? results[s].min_version
+                              : std::min(out.min_version, results[s].min_version);
+      out.max_version = first ? results[s].max_version
+                              : std::max(out.max_version, results[s].max_version);
+      first = false;
+    }
+    return out;
+  }
+
+  absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
+    PSFLOW_RETURN_IF_ERROR(CheckCount(grads.size(), "Push"));
+    if (options_.check_finite) {
+      for (size_t v = 0; v < grads.size(); ++v) {
+        const int64_t bad = FirstNonFinite(grads[v], plan_.variables()[v].num_elements());
+        if (bad >= 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "gradient of '", plan_.variables()[v].name, "' has a non-finite value (",
+              grads[v][bad], ") at element ", bad, "; nothing was pushed"));
+        }
+      }
+    }
+    return ForEachShard(plan_.num_shards(), [&](int s) {
+      if (shards_[s].parts.empty()) return absl::OkStatus();
+      // One id per logical push and shard, kept across retries.
+      const uint64_t request_id = NewRequestId();
+      return RetryCall(options_.retry, [&] { return PushOnce(s, grads, info, request_id); });
+    });
+  }
+
+  absl::StatusOr<std::vector<StatusResponse>> GetStatus() override {
+    std::vector<StatusResponse> out(plan_.num_shards());
+    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      return RetryCall(options_.retry, [&] { return StatusOnce(s, &out[s]); });
+    }));
+    return out;
+  }
+
+ private:
+  struct Shard {
+    std::string name;
+    std::unique_ptr<ParameterServer::Stub> stub;
+    std::vector<int> parts;                        // indices into plan_.parts()
+    absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
+    // Reused across calls so that their buffers are allocated once.
+    PushRequest push_msg;
+    PullResponse pull_msg;
+  };
+
+  absl::Status CheckCount(size_t n, const char* what) const {
+    if (n == plan_.variables().size()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(what, " got ", n, " tensors; the model has ",
+                                                   plan_.variables().size(), " variables"));
+  }
+
+  uint64_t NewRequestId() {
+    absl::MutexLock lock(&id_mu_);
+    uint64_t id = 0;
+    while (id == 0) id = absl::Uniform<uint64_t>(id_gen_);
+    return id;
+  }
+
+  void SetDeadline(grpc::ClientContext* context) const {
+    context->set_deadline(std::chrono::system_clock::now() +
+                          absl::ToChronoMilliseconds(options_.rpc_timeout));
+  }
+
+  // Fills `msg` with segments of `parts` from `source` and calls `write`
+  // whenever max_chunk_bytes of data are in it; big parts span messages and
+  // small ones share a message.
+  template <typename Msg, typename Write>
+  bool StreamParts(const std::vector<int>& parts, absl::Span<const float* const> source, Msg* msg,
+                   Write write) {
+    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
+    msg->clear_segments();
+    int64_t in_msg = 0;
+    for (int p : parts) {
+      const Part& part = plan_.parts()[p];
+      const std::string& name = plan_.variables()[part.variable_index].name;
+      const float* base = source[part.variable_index] + part.elem_begin;
+      for (int64_t offset = 0; offset < part.num_elements();) {
+        const int64_t take = std::min(part.num_elements() - offset, chunk - in_msg);
+        Segment* segment = msg->add_segments();
+        segment->set_variable(name);
+        segment->set_offset(offset);
+        segment->mutable_data()->assign(reinterpret_cast<const char*>(base + offset), take * 4);
+        offset += take;
+        in_msg += take;
+        if (in_msg >= chunk) {
+          if (!write(*msg)) return false;
+          msg->clear_segments();
+          msg->clear_header();
+          in_msg = 0;
+        }
+      }
+    }
+    if (msg->segments_size() > 0 || msg->has_header()) {
+      if (!write(*msg)) return false;
+    }
+    msg->clear_segments();
+    msg->clear_header();
+    return true;
+  }
+
+  absl::Status RegisterOnce(int s, absl::Span<const float* const> values) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    RegisterResponse response;
+    auto writer = shard.stub->RegisterVariables(&context, &response);
+    RegisterRequest msg;
+    RegisterHeader* header = msg.mutable_header();
+    header->set_plan_fingerprint(plan_.fingerprint());
+    header->set_num_shards(plan_.num_shards());
+    header->set_shard_index(s);
+    for (int p : shard.parts) {
+      const Part& part = plan_.parts()[p];
+      const VariableSpec& var = plan_.variables()[part.variable_index];
+      PartDef* def = header->add_parts();
+      def->set_variable(var.name);
+      for (int64_t d : var.shape) def->add_variable_shape(d);
+      def->set_row_begin(part.row_begin);
+      def->set_row_end(part.row_end);
+    }
+    StreamParts(shard.parts, values, &msg,
+                [&](const RegisterRequest& m) { return writer->Write(m); });
+    writer->WritesDone();
+    return FromGrpcStatus(writer->Finish(), shard.name);
+  }
+
+  absl::Status PushOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
+                        uint64_t request_id) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    PushResponse response;
+    auto writer = shard.stub->Push(&context, &response);
+    PushHeader* header = shard.push_msg.mutable_header();
+    header->set_worker_id(options_.worker_id);
+    header->set_step(info.step);
+    header->set_read_version(info.read_version);
+    header->set_request_id(request_id);
+    StreamParts(shard.parts, grads, &shard.push_msg,
+                [&](const PushRequest& m) { return writer->Write(m); });
+    writer->WritesDone();
+    return FromGrpcStatus(writer->Finish(), shard.name);
+  }
+
+  absl::Status PullOnce(int s, absl::Span<float* const> values, PullResult* result) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    PullRequest request;
+    request.set_worker_id(options_.worker_id);
+    request.set_max_chunk_bytes(options_.max_chunk_bytes);
+    auto reader = shard.stub->Pull(&context, request);
+    int64_t received = 0, expected = 0;
+    for (int p : shard.parts) expected += plan_.parts()[p].num_elements();
+    bool first = true;
+    PullResponse& msg = shard.pull_msg;
+    absl::Status bad;
+    while (bad.ok() && reader->Read(&msg)) {
+      for (int i = 0; i < msg.segments_size(); ++i) {
+        const Segment& segment = msg.segments(i);
+        auto it = shard.by_name.find(segment.variable());
+        const int64_t count = static_cast<int64_t>(segment.data().size() / 4);
+        if (it == shard.by_name.end()) continue;  // a variable of another model: not ours
+        const Part& part = plan_.parts()[it->second];
+        if (segment.offset() < 0 || segment.offset() + count > part.num_elements()) {
+          bad = absl::DataLossError(absl::StrCat(shard.name, " sent elements [", segment.offset(),
+                                                 ",", segment.offset() + count, ") of '",
+                                                 segment.variable(), "' whose part has ",
+                                                 part.num_elements()));
+          break;
+        }
+        std::memcpy(values[part.variable_index] + part.elem_begin + segment.offset(),
+                    segment.data().data(), count * 4);
+        received += count;
+        const int64_t version = i < msg.versions_size() ? msg.versions(i) : 0;
+        result->min_version = first ? version : std::min(result->min_version, version);
+        result->max_version = first ? version : std::max(result->max_version, version);
+        first = false;
+      }
+    }
+    if (!bad.ok()) {
+      context.TryCancel();
+      reader->Finish();
+      return bad;
+    }
+    PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
+    if (received != expected) {
+      return absl::DataLossError(absl::StrCat(shard.name, " returned ", received, " of the ",
+                                              expected, " elements this worker expects"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StatusOnce(int s, StatusResponse* out) {
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    return FromGrpcStatus(shards_[s].stub->GetStatus(&context, StatusRequest(), out),
+                          shards_[s].name);
+  }
+
+  absl::StatusOr<std::vector<StatusResponse>> GetStatusOnce() {
+    std::vector<StatusResponse> out(plan_.num_shards());
+    PSFLOW_RETURN_IF_ERROR(
+        ForEachShard(plan_.num_shards(), [&](int s) { return StatusOnce(s, &out[s]); }));
+    return out;
+  }
+
+  const PartitionPlan plan_;
+  const GrpcPsClientOptions options_;
+  std::vector<Shard> shards_;
+  absl::Mutex id_mu_;
+  absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
+                                                             const GrpcPsClientOptions& options) {
+  if (options.ps_addresses.empty()) {
+    return absl::InvalidArgumentError("no ps addresses given (--ps_hosts or TF_CONFIG cluster.ps)");
+  }
+  if (options.max_chunk_bytes < 4) {
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,
+                                                   "; expected at least 4"));
+  }
+  PartitionOptions plan_options;
+  plan_options.num_shards = static_cast<int>(options.ps_addresses.size());
+  plan_options.min_split_bytes = options.min_split_bytes;
+  PSFLOW_ASSIGN_OR_RETURN(PartitionPlan plan,
+                          PartitionPlan::Create(std::move(variables), plan_options));
+  return std::unique_ptr<PsClient>(new GrpcPsClient(std::move(plan), options));
+}
+
+}  // namespace psflow::worker

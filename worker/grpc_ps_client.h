@@ -1,0 +1,34 @@
+// The gRPC PsClient: one channel per PS shard, every call with a deadline,
+// transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) retried with capped
+// exponential backoff and jitter.
+#ifndef PSFLOW_WORKER_GRPC_PS_CLIENT_H_
+#define PSFLOW_WORKER_GRPC_PS_CLIENT_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/retry.h"
+#include "common/variable_spec.h"
+#include "worker/ps_client.h"
+
+namespace psflow::worker {
+
+struct GrpcPsClientOptions {
+  std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
+  int worker_id = 0;
+  int64_t min_split_bytes = 256 * 1024;   // partition plan threshold; same on every process
+  int64_t max_chunk_bytes = 1 << 20;      // data per stream message (<= the servers' limit)
+  absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
+  RetryOptions retry;
+  bool check_finite = true;  // refuse to push NaN/Inf (before anything is sent)
+};
+
+absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
+                                                             const GrpcPsClientOptions& options);
+
+}  // namespace psflow::worker
+
+#endif  // PSFLOW_WORKER_GRPC_PS_CLIENT_H_

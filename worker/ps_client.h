@@ -1,0 +1,56 @@
+// PsClient: what a worker needs from the parameter servers, independent of
+// the transport. grpc_ps_client.h talks to real shards over gRPC.
+#ifndef PSFLOW_WORKER_PS_CLIENT_H_
+#define PSFLOW_WORKER_PS_CLIENT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "common/partition_plan.h"
+#include "psflow.pb.h"
+
+namespace psflow::worker {
+
+struct PullResult {
+  int64_t min_version = 0;  // smallest part version read
+  int64_t max_version = 0;  // largest part version read
+};
+
+struct PushInfo {
+  int64_t step = 0;          // the worker's step
+  int64_t read_version = 0;  // version the gradient was computed from
+};
+
+// Every call works on all shards in parallel and returns when all are done;
+// partitioned variables are split and re-assembled here. Thread safety: Pull
+// and Push may run concurrently with each other (prefetching the next pull
+// while pushing), but not two Pulls or two Pushes at once.
+class PsClient {
+ public:
+  virtual ~PsClient() = default;
+  virtual const PartitionPlan& plan() const = 0;
+
+  // Registers every variable of the plan with its initial values
+  // (`initial_values[i]` holds variable i). Idempotent: variables already on
+  // the shards keep their values. Done by the chief (or worker 0).
+  virtual absl::Status Register(absl::Span<const float* const> initial_values) = 0;
+  // Waits until every part of the plan is registered on its shard (the other
+  // workers wait for the chief this way). DEADLINE_EXCEEDED after `timeout`.
+  virtual absl::Status WaitForVariables(absl::Duration timeout) = 0;
+  // Reads every variable into `values[i]` (caller-owned, num_elements floats).
+  virtual absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) = 0;
+  // Sends one gradient of every variable (`grads[i]` for variable i); each
+  // shard applies its optimizer. A retry after a transient failure reuses
+  // the request id, so the update is applied exactly once.
+  virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
+  // Each shard's status, in shard order.
+  virtual absl::StatusOr<std::vector<StatusResponse>> GetStatus() = 0;
+};
+
+}  // namespace psflow::worker
+
+#endif  // PSFLOW_WORKER_PS_CLIENT_H_
