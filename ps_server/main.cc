@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/cluster_spec.h"
+#include "common/flags_usage.h"
 #include "common/process_stats.h"
 #include "ps_server/grpc_ps_server.h"
 
@@ -115,10 +116,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  psflow::SetUsage(
       "psflow parameter-server shard.\n"
       "  ps_server --port=2222 --shard_index=0 --num_shards=2 [--optimizer=adam ...]\n"
-      "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"ps\").");
+      "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"ps\").",
+      "ps_server/main.cc");
   absl::ParseCommandLine(argc, argv);
   psflow::TuneAllocatorForLargeMessages();
 

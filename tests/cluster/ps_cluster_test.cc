@@ -1,0 +1,575 @@
+// In-process cluster tests: three PS shards on ephemeral loopback ports in
+// this process, clients in threads, real gRPC in between.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "ps_server/grpc_ps_server.h"
+#include "psflow.grpc.pb.h"
+#include "worker/grpc_ps_client.h"
+
+namespace psflow {
+namespace {
+
+using server::OptimizerOptions;
+using server::PsServer;
+using server::PsServerOptions;
+using ::testing::HasSubstr;
+using worker::CreateGrpcPsClient;
+using worker::GrpcPsClientOptions;
+using worker::PsClient;
+
+std::vector<VariableSpec> SeedModel() {
+  return {{"conv2d/kernel", {3, 3, 1, 32}}, {"conv2d/bias", {32}},
+          {"dense/kernel", {21632, 128}},   {"dense/bias", {128}},
+          {"dense_1/kernel", {128, 10}},     {"dense_1/bias", {10}}};
+}
+
+struct Tensors {
+  std::vector<std::vector<float>> data;
+  std::vector<float*> ptrs() {
+    std::vector<float*> out;
+    for (auto& d : data) out.push_back(d.data());
+    return out;
+  }
+  std::vector<const float*> cptrs() const {
+    std::vector<const float*> out;
+    for (auto& d : data) out.push_back(d.data());
+    return out;
+  }
+};
+
+Tensors Make(const std::vector<VariableSpec>& vars, float fill) {
+  Tensors t;
+  for (const auto& v : vars) t.data.emplace_back(v.num_elements(), fill);
+  return t;
+}
+
+class PsClusterTest : public ::testing::Test {
+ protected:
+  void StartCluster(int num_shards, OptimizerOptions optimizer = {},
+                    int64_t server_max_chunk = 4 << 20) {
+    for (int s = 0; s < num_shards; ++s) {
+      PsServerOptions options;
+      options.address = "127.0.0.1:0";
+      options.store.shard_index = s;
+      options.store.num_shards = num_shards;
+      options.store.optimizer = optimizer;
+      options.store.max_chunk_bytes = server_max_chunk;
+      auto server = PsServer::Start(options);
+      ASSERT_TRUE(server.ok()) << server.status();
+      addresses_.push_back((*server)->client_address());
+      servers_.push_back(std::move(*server));
+    }
+  }
+
+  std::unique_ptr<PsClient> Client(const std::vector<VariableSpec>& vars, int64_t chunk = 1 << 20,
+                                   int64_t min_split = 256 * 1024, int worker_id = 0) {
+    GrpcPsClientOptions options;
+    options.ps_addresses = addresses_;
+    options.max_chunk_bytes = chunk;
+    options.min_split_bytes = min_split;
+    options.worker_id = worker_id;
+    options.rpc_timeout = absl::Seconds(30);
+    auto client = CreateGrpcPsClient(vars, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
+  std::unique_ptr<ParameterServer::Stub> Stub(int shard) {
+    return ParameterServer::NewStub(
+        grpc::CreateChannel(addresses_[shard], grpc::InsecureChannelCredentials()));
+  }
+
+  std::vector<std::unique_ptr<PsServer>> servers_;
+  std::vector<std::string> addresses_;
+};
+
+TEST_F(PsClusterTest, SeedModelRoundTripIsBitIdentical) {
+  StartCluster(3);
+  const auto vars = SeedModel();
+  Tensors init = Make(vars, 0);
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<uint32_t> bits;
+  for (auto& d : init.data) {
+    for (float& x : d) {
+      // Any finite bit pattern, denormals and negative zero included.
+      uint32_t b;
+      do {
+        b = bits(gen);
+      } while ((b & 0x7f800000u) == 0x7f800000u);
+      std::memcpy(&x, &b, 4);
+    }
+  }
+  // Small chunks so that the big kernel spans many messages.
+  auto client = Client(vars, /*chunk=*/256 * 1024);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  EXPECT_GT(client->plan().PartsOfVariable(2).size(), 1u) << "dense/kernel should be split";
+
+  Tensors out = Make(vars, -1);
+  auto pulled = client->Pull(out.ptrs());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  for (size_t v = 0; v < vars.size(); ++v) {
+    ASSERT_EQ(0, std::memcmp(init.data[v].data(), out.data[v].data(), init.data[v].size() * 4))
+        << vars[v].name;
+  }
+  EXPECT_EQ(pulled->max_version, 0);
+
+  // A second client (another worker) with default chunks reads the same.
+  auto other = Client(vars);
+  ASSERT_TRUE(other->WaitForVariables(absl::Seconds(5)).ok());
+  Tensors out2 = Make(vars, -1);
+  ASSERT_TRUE(other->Pull(out2.ptrs()).ok());
+  for (size_t v = 0; v < vars.size(); ++v) {
+    EXPECT_EQ(0, std::memcmp(init.data[v].data(), out2.data[v].data(), init.data[v].size() * 4));
+  }
+}
+
+TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
+  OptimizerOptions sgd;
+  sgd.kind = OptimizerOptions::Kind::kSgd;
+  sgd.learning_rate = 1.0f;
+  StartCluster(2, sgd);
+  const std::vector<VariableSpec> vars = {{"w", {4, 3}}, {"b", {3}}};
+  auto client = Client(vars);
+  Tensors init = Make(vars, 1.0f);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  Tensors grad = Make(vars, 0.5f);
+  ASSERT_TRUE(client->Push(grad.cptrs(), {1, 0}).ok());
+  // A restarted chief registers again with fresh initial values: kept.
+  Tensors other_init = Make(vars, 9.0f);
+  ASSERT_TRUE(client->Register(other_init.cptrs()).ok());
+  Tensors out = Make(vars, 0);
+  auto pulled = client->Pull(out.ptrs());
+  ASSERT_TRUE(pulled.ok());
+  for (auto& d : out.data) {
+    for (float x : d) EXPECT_EQ(x, 0.5f);
+  }
+  EXPECT_EQ(pulled->min_version, 1);
+}
+
+// 8 workers each push 200 known gradients with SGD(lr=1) to the same
+// variables; the result must be exactly the initial value minus the sum.
+TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
+  OptimizerOptions sgd;
+  sgd.kind = OptimizerOptions::Kind::kSgd;
+  sgd.learning_rate = 1.0f;
+  StartCluster(3, sgd);
+  // A small split threshold so that "big" is split over all three shards.
+  const std::vector<VariableSpec> vars = {{"big", {300, 40}}, {"mid", {50, 7}}, {"small", {5}}};
+  constexpr int kThreads = 8, kPushes = 200;
+  auto chief = Client(vars, /*chunk=*/8 * 1024, /*min_split=*/12 * 1024);
+  ASSERT_EQ(chief->plan().PartsOfVariable(0).size(), 3u);
+  Tensors init = Make(vars, 0);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+
+  // Gradient of thread t at push k, element i: a small integer, so every
+  // partial sum is exact in float32.
+  auto grad_value = [](int t, int k, int64_t i) {
+    return static_cast<float>((t * 31 + k * 7 + i) % 9) - 4.0f;
+  };
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto client = Client(vars, 8 * 1024, 12 * 1024, t);
+      Tensors g = Make(vars, 0);
+      for (int k = 0; k < kPushes && results[t].ok(); ++k) {
+        for (auto& d : g.data) {
+          for (size_t i = 0; i < d.size(); ++i) d[i] = grad_value(t, k, i);
+        }
+        results[t] = client->Push(g.cptrs(), {k, 0});
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r;
+
+  Tensors out = Make(vars, 0);
+  auto pulled = chief->Pull(out.ptrs());
+  ASSERT_TRUE(pulled.ok());
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < out.data[v].size(); ++i) {
+      double expected = 0;
+      for (int t = 0; t < kThreads; ++t) {
+        for (int k = 0; k < kPushes; ++k) expected -= grad_value(t, k, i);
+      }
+      ASSERT_EQ(out.data[v][i], static_cast<float>(expected)) << vars[v].name << "[" << i << "]";
+    }
+  }
+  EXPECT_EQ(pulled->min_version, kThreads * kPushes);
+  EXPECT_EQ(pulled->max_version, kThreads * kPushes);
+}
+
+// Adam on the PS, end to end: one step moves each parameter by lr against
+// the sign of its gradient (m_hat / sqrt(v_hat) = g / |g| at t = 1).
+TEST_F(PsClusterTest, AdamStepThroughTheCluster) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"w", {3}}};
+  auto client = Client(vars);
+  Tensors init = Make(vars, 1.0f);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  Tensors g;
+  g.data = {{2.0f, -0.5f, 1e-3f}};
+  ASSERT_TRUE(client->Push(g.cptrs(), {1, 0}).ok());
+  Tensors out = Make(vars, 0);
+  ASSERT_TRUE(client->Pull(out.ptrs()).ok());
+  // At t = 1: alpha * m = lr * sqrt(1 - beta_2) * g and sqrt(v) =
+  // sqrt(1 - beta_2) * |g|, so the step is lr * s g / (s |g| + epsilon).
+  const double s = std::sqrt(0.001);
+  for (int i = 0; i < 3; ++i) {
+    const double gi = g.data[0][i];
+    const double expected = 1.0 - 0.001 * s * gi / (s * std::fabs(gi) + 1e-7);
+    EXPECT_NEAR(out.data[0][i], expected, 2e-7) << i;
+  }
+  EXPECT_LT(out.data[0][2], 0.99901f);  // epsilon visibly shrinks the smallest step
+}
+
+class RawPushTest : public PsClusterTest {
+ protected:
+  void SetUp() override {
+    OptimizerOptions sgd;
+    sgd.kind = OptimizerOptions::Kind::kSgd;
+    sgd.learning_rate = 1.0f;
+    StartCluster(1, sgd, /*server_max_chunk=*/64 * 1024);
+    client_ = Client(vars_, /*chunk=*/16 * 1024);
+    Tensors init = Make(vars_, 0.0f);
+    ASSERT_TRUE(client_->Register(init.cptrs()).ok());
+    stub_ = Stub(0);
+  }
+
+  // Pulls "w" through the client.
+  std::vector<float> Values() {
+    Tensors out = Make(vars_, 0);
+    EXPECT_TRUE(client_->Pull(out.ptrs()).ok());
+    return out.data[0];
+  }
+
+  static void AddSegment(PushRequest* msg, const std::string& var, int64_t offset,
+                         std::vector<float> values) {
+    Segment* s = msg->add_segments();
+    s->set_variable(var);
+    s->set_offset(offset);
+    s->set_data(std::string(reinterpret_cast<const char*>(values.data()), values.size() * 4));
+  }
+
+  // Sends `msgs` as one push (the first gets a header) and returns the status.
+  grpc::Status RawPush(std::vector<PushRequest> msgs, uint64_t request_id,
+                       PushResponse* response = nullptr, bool cancel_after = false) {
+    grpc::ClientContext context;
+    PushResponse local;
+    auto writer = stub_->Push(&context, response ? response : &local);
+    if (!msgs.empty()) {
+      msgs[0].mutable_header()->set_request_id(request_id);
+      msgs[0].mutable_header()->set_worker_id(5);
+    }
+    for (auto& m : msgs) {
+      if (!writer->Write(m)) break;
+    }
+    if (cancel_after) {
+      // Let the server apply what it got, then break the stream.
+      absl::SleepFor(absl::Milliseconds(200));
+      context.TryCancel();
+      return writer->Finish();
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  }
+
+  const std::vector<VariableSpec> vars_ = {{"w", {8}}};
+  std::unique_ptr<PsClient> client_;
+  std::unique_ptr<ParameterServer::Stub> stub_;
+};
+
+TEST_F(RawPushTest, RetriedPushWithSameRequestIdIsAppliedOnce) {
+  PushRequest m;
+  AddSegment(&m, "w", 0, std::vector<float>(8, 1.0f));
+  PushResponse first, second;
+  ASSERT_TRUE(RawPush({m}, 42, &first).ok());
+  ASSERT_TRUE(RawPush({m}, 42, &second).ok());
+  EXPECT_EQ(first.elements_applied(), 8);
+  EXPECT_EQ(second.elements_applied(), 0);
+  EXPECT_EQ(second.elements_skipped(), 8);
+  EXPECT_THAT(Values(), ::testing::Each(-1.0f));
+  // Another request id is a new push.
+  ASSERT_TRUE(RawPush({m}, 43).ok());
+  EXPECT_THAT(Values(), ::testing::Each(-2.0f));
+}
+
+TEST_F(RawPushTest, BrokenStreamKeepsWhatArrivedAndRetryCompletesIt) {
+  // Documented behaviour (proto/psflow.proto): segments are applied as they
+  // arrive; a retry under the same id applies only the rest.
+  PushRequest a, b;
+  AddSegment(&a, "w", 0, {1, 1, 1, 1});
+  AddSegment(&b, "w", 4, {1, 1, 1, 1});
+  grpc::Status broken = RawPush({a}, 77, nullptr, /*cancel_after=*/true);
+  EXPECT_FALSE(broken.ok());
+  EXPECT_THAT(Values(), ::testing::ElementsAre(-1, -1, -1, -1, 0, 0, 0, 0));
+  PushResponse response;
+  ASSERT_TRUE(RawPush({a, b}, 77, &response).ok());
+  EXPECT_EQ(response.elements_skipped(), 4);
+  EXPECT_EQ(response.elements_applied(), 4);
+  EXPECT_THAT(Values(), ::testing::Each(-1.0f));
+}
+
+TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
+  struct Case {
+    const char* what;
+    std::vector<PushRequest> msgs;
+    grpc::StatusCode code;
+    std::vector<std::string> mentions;
+  };
+  std::vector<Case> cases;
+  {
+    PushRequest m;
+    AddSegment(&m, "nope", 0, {1});
+    cases.push_back({"unknown variable", {m}, grpc::NOT_FOUND, {"'nope'", "shard 0", "w"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", 0, std::vector<float>(9, 1.0f));
+    cases.push_back({"too many elements", {m}, grpc::INVALID_ARGUMENT, {"'w'", "[0,9)", "8 elements"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", 6, {1, 1, 1});
+    cases.push_back({"offset out of range", {m}, grpc::INVALID_ARGUMENT, {"'w'", "[6,9)"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", -1, {1});
+    cases.push_back({"negative offset", {m}, grpc::INVALID_ARGUMENT, {"'w'"}});
+  }
+  {
+    PushRequest m;
+    Segment* s = m.add_segments();
+    s->set_variable("w");
+    s->set_data("abcdef");  // 6 bytes
+    cases.push_back({"partial float", {m}, grpc::INVALID_ARGUMENT, {"'w'", "6 bytes", "multiple of 4"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", 0, {1, std::numeric_limits<float>::quiet_NaN(), 1});
+    cases.push_back({"NaN", {m}, grpc::INVALID_ARGUMENT, {"'w'", "non-finite", "element 1"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", 0, {1, std::numeric_limits<float>::infinity()});
+    cases.push_back({"Inf", {m}, grpc::INVALID_ARGUMENT, {"non-finite"}});
+  }
+  {
+    // A good segment and a bad one in the same message: validated together.
+    PushRequest m;
+    AddSegment(&m, "w", 0, {1, 1, 1, 1});
+    AddSegment(&m, "w", 4, {1, std::numeric_limits<float>::quiet_NaN()});
+    cases.push_back({"good then NaN in one message", {m}, grpc::INVALID_ARGUMENT, {"non-finite"}});
+  }
+  {
+    PushRequest m;
+    AddSegment(&m, "w", 2, {1, 1});
+    cases.push_back({"out of order", {m}, grpc::INVALID_ARGUMENT, {"in order", "expected offset 0"}});
+  }
+  cases.push_back({"empty stream", {}, grpc::INVALID_ARGUMENT, {"header"}});
+  for (auto& c : cases) {
+    SCOPED_TRACE(c.what);
+    grpc::Status status = RawPush(c.msgs, 1000 + (&c - cases.data()));
+    if (c.msgs.empty()) {
+      // No message at all: the header is missing.
+      EXPECT_EQ(status.error_code(), c.code);
+    } else {
+      EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    }
+    for (const auto& m : c.mentions) EXPECT_THAT(status.error_message(), HasSubstr(m));
+    EXPECT_THAT(Values(), ::testing::Each(0.0f)) << "values changed";
+  }
+}
+
+TEST_F(RawPushTest, OversizedChunksAreRefused) {
+  // 80 KiB of data in one segment > the server's 64 KiB --max_chunk_bytes.
+  const std::vector<VariableSpec> big = {{"big", {20480}}};
+  auto client = Client(big, /*chunk=*/80 * 1024);
+  Tensors init = Make(big, 0);
+  absl::Status status = client->Register(init.cptrs());
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), HasSubstr("at most 65536"));
+  // Far beyond gRPC's receive limit (chunk + 1 MiB): refused by gRPC itself.
+  PushRequest m;
+  AddSegment(&m, "w", 0, std::vector<float>(600 * 1024, 1.0f));
+  grpc::Status huge = RawPush({m}, 5);
+  EXPECT_EQ(huge.error_code(), grpc::RESOURCE_EXHAUSTED) << huge.error_message();
+  EXPECT_THAT(Values(), ::testing::Each(0.0f));
+}
+
+TEST_F(RawPushTest, ClientRefusesNonFiniteGradientsBeforeSending) {
+  Tensors g;
+  g.data = {{1, 1, 1, 1, 1, 1, 1, std::numeric_limits<float>::quiet_NaN()}};
+  absl::Status status = client_->Push(g.cptrs(), {1, 0});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("'w'"));
+  EXPECT_THAT(Values(), ::testing::Each(0.0f));
+}
+
+TEST_F(PsClusterTest, RegistrationConflictsAreFailedPrecondition) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"w", {4, 3}}};
+  auto client = Client(vars);
+  Tensors init = Make(vars, 1);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+
+  const std::vector<VariableSpec> reshaped = {{"w", {3, 4}}};
+  auto other = Client(reshaped);
+  Tensors init2 = Make(reshaped, 2);
+  absl::Status status = other->Register(init2.cptrs());
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_THAT(status.message(), HasSubstr("'w'"));
+  EXPECT_THAT(status.message(), HasSubstr("[4,3]"));
+  EXPECT_THAT(status.message(), HasSubstr("[3,4]"));
+
+  // Same shapes, but a plan over other shard counts: a different fingerprint.
+  auto stub = Stub(0);
+  grpc::ClientContext context;
+  RegisterResponse response;
+  auto writer = stub->RegisterVariables(&context, &response);
+  RegisterRequest msg;
+  auto* h = msg.mutable_header();
+  h->set_plan_fingerprint(client->plan().fingerprint() ^ 1);
+  h->set_num_shards(2);
+  h->set_shard_index(0);
+  auto* part = h->add_parts();
+  const int on_shard0 = client->plan().parts()[0].shard == 0 ? 0 : -1;
+  part->set_variable("w");
+  part->add_variable_shape(4);
+  part->add_variable_shape(3);
+  part->set_row_end(4);
+  writer->Write(msg);
+  writer->WritesDone();
+  grpc::Status fp = writer->Finish();
+  if (on_shard0 == 0) {
+    EXPECT_EQ(fp.error_code(), grpc::FAILED_PRECONDITION) << fp.error_message();
+    EXPECT_THAT(fp.error_message(), HasSubstr("'w'"));
+  } else {
+    // "w" lives on shard 1, so shard 0 registers it fresh: still fine.
+    EXPECT_TRUE(fp.ok()) << fp.error_message();
+  }
+  Tensors out = Make(vars, 0);
+  ASSERT_TRUE(client->Pull(out.ptrs()).ok());
+  EXPECT_THAT(out.data[0], ::testing::Each(1.0f));
+}
+
+TEST_F(PsClusterTest, WrongShardCountIsRefused) {
+  StartCluster(2);
+  // A client that believes in one shard talks to shard 0 of two.
+  GrpcPsClientOptions options;
+  options.ps_addresses = {addresses_[0]};
+  auto client = CreateGrpcPsClient({{"w", {2}}}, options);
+  ASSERT_TRUE(client.ok());
+  Tensors init = Make({{"w", {2}}}, 1);
+  absl::Status status = (*client)->Register(init.cptrs());
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("shard 0 of 1"));
+  EXPECT_THAT(status.message(), HasSubstr("shard 0 of 2"));
+}
+
+TEST_F(PsClusterTest, BrokenRegistrationRegistersNothing) {
+  StartCluster(1);
+  auto stub = Stub(0);
+  {
+    grpc::ClientContext context;
+    RegisterResponse response;
+    auto writer = stub->RegisterVariables(&context, &response);
+    RegisterRequest msg;
+    auto* h = msg.mutable_header();
+    h->set_plan_fingerprint(1);
+    h->set_num_shards(1);
+    auto* part = h->add_parts();
+    part->set_variable("w");
+    part->add_variable_shape(4);
+    part->set_row_end(4);
+    Segment* s = msg.add_segments();
+    s->set_variable("w");
+    const float two[2] = {1, 2};
+    s->set_data(std::string(reinterpret_cast<const char*>(two), 8));  // 2 of 4 values
+    writer->Write(msg);
+    writer->WritesDone();
+    grpc::Status status = writer->Finish();
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), HasSubstr("2 of 4"));
+  }
+  grpc::ClientContext context;
+  StatusResponse st;
+  ASSERT_TRUE(stub->GetStatus(&context, StatusRequest(), &st).ok());
+  EXPECT_EQ(st.parts_size(), 0);
+  EXPECT_GT(st.resident_bytes(), 0);
+  EXPECT_THAT(st.optimizer(), HasSubstr("adam"));
+}
+
+TEST_F(PsClusterTest, PullOfUnknownVariableIsNotFound) {
+  StartCluster(1);
+  auto stub = Stub(0);
+  grpc::ClientContext context;
+  PullRequest request;
+  request.add_variables("ghost");
+  auto reader = stub->Pull(&context, request);
+  PullResponse msg;
+  EXPECT_FALSE(reader->Read(&msg));
+  grpc::Status status = reader->Finish();
+  EXPECT_EQ(status.error_code(), grpc::NOT_FOUND);
+  EXPECT_THAT(status.error_message(), HasSubstr("'ghost'"));
+}
+
+// The client retries UNAVAILABLE with backoff: a server that comes up late
+// is reached.
+TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {
+  // Find a free port, then start the server on it a little later.
+  PsServerOptions probe;
+  probe.address = "127.0.0.1:0";
+  auto tmp = PsServer::Start(probe);
+  ASSERT_TRUE(tmp.ok());
+  const int port = (*tmp)->port();
+  (*tmp)->Shutdown();
+  tmp->reset();
+
+  addresses_ = {absl::StrCat("127.0.0.1:", port)};
+  const std::vector<VariableSpec> vars = {{"w", {3}}};
+  auto client = Client(vars);
+  std::unique_ptr<PsServer> late;
+  std::thread starter([&] {
+    absl::SleepFor(absl::Milliseconds(400));
+    PsServerOptions options;
+    options.address = addresses_[0];
+    auto s = PsServer::Start(options);
+    ASSERT_TRUE(s.ok()) << s.status();
+    late = std::move(*s);
+  });
+  Tensors init = Make(vars, 3);
+  absl::Status status = client->Register(init.cptrs());
+  starter.join();
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
+  addresses_ = {"127.0.0.1:1"};  // nothing listens on port 1
+  GrpcPsClientOptions options;
+  options.ps_addresses = addresses_;
+  options.retry.max_attempts = 3;
+  options.retry.initial_backoff = absl::Milliseconds(10);
+  options.rpc_timeout = absl::Seconds(2);
+  auto client = CreateGrpcPsClient({{"w", {3}}}, options);
+  ASSERT_TRUE(client.ok());
+  Tensors out = Make({{"w", {3}}}, 0);
+  auto pulled = (*client)->Pull(out.ptrs());
+  EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(pulled.status().message(), HasSubstr("ps shard 0 (127.0.0.1:1)"));
+  EXPECT_THAT(pulled.status().message(), HasSubstr("3 attempts"));
+}
+
+}  // namespace
+}  // namespace psflow
