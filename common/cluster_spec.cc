@@ -1,0 +1,435 @@
+#include "common/cluster_spec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <string_view>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "common/status_macros.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace psflow {
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+enum Job { kChief = 0, kWorker, kPs, kEvaluator, kNumJobs };
+constexpr const char* kJobNames[kNumJobs] = {"chief", "worker", "ps", "evaluator"};
+constexpr char kExpectedTypes[] = "chief, worker, ps, evaluator or master";
+constexpr char kExpectedAddress[] =
+    "expected \"host:port\" with a port in 1..65535, \"[ipv6]:port\" or \"unix:path\"";
+
+// "master" is TF1's name for the chief.
+std::optional<Job> ParseJobName(absl::string_view name) {
+  if (name == "master") return kChief;
+  for (int j = 0; j < kNumJobs; ++j) {
+    if (name == kJobNames[j]) return static_cast<Job>(j);
+  }
+  return std::nullopt;
+}
+
+// Where a value came from: a TF_CONFIG key or a flag, for error messages.
+struct Origin {
+  bool from_flag = false;
+  std::string key;  // "cluster.worker" / "worker_hosts"
+
+  // `"cluster.worker[1]"` or `--worker_hosts entry 1`.
+  std::string Name() const {
+    return from_flag ? absl::StrCat("--", key) : absl::StrCat("\"", key, "\"");
+  }
+  std::string ItemName(size_t i) const {
+    return from_flag ? absl::StrCat("--", key, " entry ", i)
+                     : absl::StrCat("\"", key, "[", i, "]\"");
+  }
+  // The same, prefixed with "TF_CONFIG: " for keys, to start a message.
+  std::string Where() const { return from_flag ? Name() : absl::StrCat("TF_CONFIG: ", Name()); }
+  std::string ItemWhere(size_t i) const {
+    return from_flag ? ItemName(i) : absl::StrCat("TF_CONFIG: ", ItemName(i));
+  }
+};
+
+// The cluster as read so far, with the origin of each part.
+struct Draft {
+  std::vector<std::string> jobs[kNumJobs];
+  bool has_job[kNumJobs] = {};
+  Origin job_origin[kNumJobs];
+  std::optional<std::string> task_type;  // raw, validated by Finish()
+  Origin type_origin;
+  std::optional<int64_t> task_index;
+  Origin index_origin;
+};
+
+std::string KindOf(const Value& v) {
+  switch (v.kind_case()) {
+    case Value::kNullValue:
+      return "null";
+    case Value::kNumberValue:
+      return "a number";
+    case Value::kStringValue:
+      return "a string";
+    case Value::kBoolValue:
+      return "a bool";
+    case Value::kStructValue:
+      return "an object";
+    case Value::kListValue:
+      return "a list";
+    default:
+      return "nothing";
+  }
+}
+
+absl::Status ParseClusterJobs(const Value& cluster, Draft* d) {
+  if (cluster.kind_case() != Value::kStructValue) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TF_CONFIG: \"cluster\" must be an object mapping job names to lists of "
+                     "\"host:port\" strings, got ",
+                     KindOf(cluster)));
+  }
+  // Map order is unspecified; sort so that errors are reproducible.
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : cluster.struct_value().fields()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    const std::optional<Job> job = ParseJobName(name);
+    if (!job) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "TF_CONFIG: unknown job \"%s\" in \"cluster\"; expected %s", name, kExpectedTypes));
+    }
+    if (d->has_job[*job]) {
+      return absl::InvalidArgumentError(
+          "TF_CONFIG: \"cluster\" has both \"chief\" and \"master\" (TF1's name for the "
+          "chief); expected only one of them");
+    }
+    const Origin origin{false, absl::StrCat("cluster.", name)};
+    const Value& list = cluster.struct_value().fields().at(name);
+    if (list.kind_case() != Value::kListValue) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          origin.Where(), " must be a list of \"host:port\" strings, got ", KindOf(list)));
+    }
+    std::vector<std::string>& out = d->jobs[*job];
+    for (int i = 0; i < list.list_value().values_size(); ++i) {
+      const Value& item = list.list_value().values(i);
+      if (item.kind_case() != Value::kStringValue) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            origin.ItemWhere(i), " must be a \"host:port\" string, got ", KindOf(item)));
+      }
+      out.push_back(item.string_value());
+    }
+    d->has_job[*job] = true;
+    d->job_origin[*job] = origin;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTask(const Value& task, Draft* d) {
+  if (task.kind_case() != Value::kStructValue) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TF_CONFIG: \"task\" must be an object like {\"type\": \"worker\", \"index\": 0}, got ",
+        KindOf(task)));
+  }
+  const auto& fields = task.struct_value().fields();
+  if (auto it = fields.find("type"); it != fields.end()) {
+    if (it->second.kind_case() != Value::kStringValue) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("TF_CONFIG: \"task.type\" must be a string (%s), got %s", kExpectedTypes,
+                          KindOf(it->second)));
+    }
+    d->task_type = it->second.string_value();
+    d->type_origin = {false, "task.type"};
+  }
+  if (auto it = fields.find("index"); it != fields.end()) {
+    const Value& v = it->second;
+    // JSON numbers arrive as doubles; 2^53 bounds the exactly representable
+    // integers, far beyond any task count.
+    if (v.kind_case() != Value::kNumberValue || v.number_value() != std::floor(v.number_value()) ||
+        std::fabs(v.number_value()) > 9007199254740992.0) {
+      std::string got =
+          v.kind_case() == Value::kNumberValue ? absl::StrCat(v.number_value()) : KindOf(v);
+      return absl::InvalidArgumentError(
+          absl::StrCat("TF_CONFIG: \"task.index\" must be an integer, got ", got));
+    }
+    d->task_index = static_cast<int64_t>(v.number_value());
+    d->index_origin = {false, "task.index"};
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
+  Struct root;
+  google::protobuf::util::JsonParseOptions options;
+  const auto status = google::protobuf::util::JsonStringToMessage(
+      google::protobuf::StringPiece(json.data(), json.size()), &root, options);
+  if (!status.ok()) {
+    // Protobuf's message spans lines (it quotes the input with a caret).
+    const std::string message(status.message());
+    const absl::string_view first_line =
+        absl::StripAsciiWhitespace(absl::string_view(message).substr(0, message.find('\n')));
+    return absl::InvalidArgumentError(
+        absl::StrCat("TF_CONFIG is not valid JSON: ", first_line,
+                     "; expected an object like {\"cluster\": {\"worker\": [\"host:port\"]}, "
+                     "\"task\": {\"type\": \"worker\", \"index\": 0}}"));
+  }
+  // Other top-level keys ("environment", "rpc_layer", ...) are not ours.
+  if (auto it = root.fields().find("cluster"); it != root.fields().end()) {
+    PSFLOW_RETURN_IF_ERROR(ParseClusterJobs(it->second, d));
+  }
+  if (auto it = root.fields().find("task"); it != root.fields().end()) {
+    PSFLOW_RETURN_IF_ERROR(ParseTask(it->second, d));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ApplyHostsFlag(absl::string_view flag, absl::string_view value, Job job, Draft* d) {
+  if (value.empty()) return absl::OkStatus();
+  const Origin origin{true, std::string(flag)};
+  std::vector<std::string> hosts;
+  int i = 0;
+  for (absl::string_view item : absl::StrSplit(value, ',')) {
+    item = absl::StripAsciiWhitespace(item);
+    if (item.empty()) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s is empty (in \"%s\"); expected a comma-separated list of \"host:port\" addresses",
+          origin.ItemName(i), value));
+    }
+    hosts.emplace_back(item);
+    ++i;
+  }
+  if (job == kChief && hosts.size() > 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "--%s is \"%s\"; expected exactly one \"host:port\" address (a cluster has at most "
+        "one chief)",
+        flag, value));
+  }
+  d->jobs[job] = std::move(hosts);
+  d->has_job[job] = true;
+  d->job_origin[job] = origin;
+  return absl::OkStatus();
+}
+
+absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
+  PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("ps_hosts", flags.ps_hosts, kPs, d));
+  PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("worker_hosts", flags.worker_hosts, kWorker, d));
+  PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("chief_host", flags.chief_host, kChief, d));
+  if (!flags.task_type.empty()) {
+    d->task_type = flags.task_type;
+    d->type_origin = {true, "task_type"};
+  }
+  if (flags.task_index >= 0) {
+    d->task_index = flags.task_index;
+    d->index_origin = {true, "task_index"};
+  }
+  return absl::OkStatus();
+}
+
+// Returns why `address` is not acceptable, or "" when it is.
+std::string AddressProblem(absl::string_view address) {
+  if (absl::StartsWith(address, "unix:")) {
+    return address.size() > 5 ? "" : "has an empty unix socket path";
+  }
+  absl::string_view host, port;
+  if (absl::StartsWith(address, "[")) {
+    const size_t close = address.find(']');
+    if (close == absl::string_view::npos) return "has no closing ']'";
+    host = address.substr(1, close - 1);
+    if (host.empty()) return "has an empty host";
+    // An IPv6 address, optionally with a zone: "fe80::1%eth0".
+    const size_t percent = host.find('%');
+    for (size_t i = 0; i < host.size(); ++i) {
+      const char c = host[i];
+      const bool ok = i < percent ? (absl::ascii_isxdigit(c) || c == ':' || c == '.')
+                                  : (i == percent || absl::ascii_isalnum(c) || c == '-' ||
+                                     c == '_' || c == '.');
+      if (!ok) return absl::StrFormat("has '%c' in its IPv6 address", c);
+    }
+    if (close + 1 >= address.size() || address[close + 1] != ':') return "has no \":port\"";
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == absl::string_view::npos) return "has no \":port\"";
+    host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+    if (host.empty()) return "has an empty host";
+    if (host.find(':') != absl::string_view::npos) return "has an IPv6 host without [brackets]";
+    for (char c : host) {
+      if (!absl::ascii_isalnum(c) && c != '-' && c != '.' && c != '_') {
+        return absl::StrFormat("has '%c' in its host name", c);
+      }
+    }
+  }
+  if (port.empty()) return "has an empty port";
+  if (!std::all_of(port.begin(), port.end(), [](char c) { return absl::ascii_isdigit(c); })) {
+    return absl::StrFormat("has port \"%s\", which is not a number", port);
+  }
+  int value = 0;
+  if (port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
+    return absl::StrFormat("has port %s, outside 1..65535", port);
+  }
+  return "";
+}
+
+// Validates the merged draft. `flags_possible` says whether the flags could
+// have supplied a missing piece (ResolveCluster) or not (FromTfConfig).
+absl::StatusOr<ClusterSpec> Finish(const Draft& d, bool flags_possible) {
+  const bool any_job =
+      std::any_of(std::begin(d.has_job), std::end(d.has_job), [](bool b) { return b; });
+  if (!any_job) {
+    return absl::InvalidArgumentError(
+        flags_possible
+            ? "no cluster description: TF_CONFIG is unset or has no \"cluster\", and none of "
+              "--ps_hosts, --worker_hosts, --chief_host was given"
+            : "TF_CONFIG: missing \"cluster\"; expected e.g. {\"cluster\": {\"worker\": "
+              "[\"host:port\"], \"ps\": [\"host:port\"]}, \"task\": {...}}");
+  }
+  if (d.jobs[kChief].size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s has %d addresses; expected at most one chief",
+                        d.job_origin[kChief].Where(), d.jobs[kChief].size()));
+  }
+  absl::flat_hash_map<absl::string_view, std::string> seen;  // address -> its name
+  for (int j = 0; j < kNumJobs; ++j) {
+    for (size_t i = 0; i < d.jobs[j].size(); ++i) {
+      const std::string& address = d.jobs[j][i];
+      const std::string problem = AddressProblem(address);
+      if (!problem.empty()) {
+        return absl::InvalidArgumentError(absl::StrFormat("%s is \"%s\", which %s; %s",
+                                                          d.job_origin[j].ItemWhere(i), address,
+                                                          problem, kExpectedAddress));
+      }
+      auto [it, inserted] = seen.emplace(address, d.job_origin[j].ItemName(i));
+      if (!inserted) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "%s is \"%s\", the same address as %s; expected every task to have its own address",
+            d.job_origin[j].ItemWhere(i), address, it->second));
+      }
+    }
+  }
+
+  if (!d.task_type) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s; expected one of %s",
+        flags_possible
+            ? "no task type: TF_CONFIG has no \"task.type\" and --task_type was not given"
+            : "TF_CONFIG: missing \"task.type\"",
+        kExpectedTypes));
+  }
+  const std::optional<Job> job = ParseJobName(*d.task_type);
+  if (!job) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s is \"%s\"; expected %s", d.type_origin.Where(), *d.task_type, kExpectedTypes));
+  }
+  const int size = static_cast<int>(d.jobs[*job].size());
+  if (size == 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that is "
+        "in the cluster",
+        d.type_origin.Where(), *d.task_type, kJobNames[*job]));
+  }
+  int64_t index = 0;
+  if (d.task_index) {
+    index = *d.task_index;
+    if (index < 0 || index >= size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s is %d but cluster \"%s\" has %d address%s (expected 0..%d)", d.index_origin.Where(),
+          index, kJobNames[*job], size, size == 1 ? "" : "es", size - 1));
+    }
+  } else if (size > 1) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s: cluster \"%s\" has %d addresses; expected an index in 0..%d",
+        flags_possible ? "no task index: TF_CONFIG has no \"task.index\" and --task_index was "
+                         "not given"
+                       : "TF_CONFIG: missing \"task.index\"",
+        kJobNames[*job], size, size - 1));
+  }
+
+  ClusterSpec spec;
+  spec.chief = d.jobs[kChief];
+  spec.worker = d.jobs[kWorker];
+  spec.ps = d.jobs[kPs];
+  spec.evaluator = d.jobs[kEvaluator];
+  spec.task_type = kJobNames[*job];
+  spec.task_index = static_cast<int>(index);
+  return spec;
+}
+
+}  // namespace
+
+absl::StatusOr<ClusterSpec> ClusterSpec::FromTfConfig(std::string_view std_json) {
+  // Debian's Abseil has its own string_view, distinct from std::string_view.
+  const absl::string_view json(std_json.data(), std_json.size());
+  if (absl::StripAsciiWhitespace(json).empty()) {
+    return absl::InvalidArgumentError(
+        "TF_CONFIG is empty; expected {\"cluster\": {...}, \"task\": {\"type\": ..., "
+        "\"index\": ...}}");
+  }
+  Draft draft;
+  PSFLOW_RETURN_IF_ERROR(ParseTfConfig(json, &draft));
+  return Finish(draft, /*flags_possible=*/false);
+}
+
+absl::StatusOr<ClusterSpec> ResolveCluster(const char* tf_config, const ClusterFlags& flags) {
+  Draft draft;
+  if (tf_config != nullptr && !absl::StripAsciiWhitespace(tf_config).empty()) {
+    PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
+  }
+  PSFLOW_RETURN_IF_ERROR(ApplyFlags(flags, &draft));
+  return Finish(draft, /*flags_possible=*/true);
+}
+
+int ClusterSpec::num_replicas() const { return static_cast<int>(chief.size() + worker.size()); }
+
+int ClusterSpec::replica_index() const {
+  if (task_type == "chief") return 0;
+  if (task_type == "worker") return task_index + static_cast<int>(chief.size());
+  return -1;
+}
+
+bool ClusterSpec::is_chief() const {
+  return task_type == "chief" || (task_type == "worker" && task_index == 0 && chief.empty());
+}
+
+const std::vector<std::string>* ClusterSpec::job(std::string_view name) const {
+  if (name == "chief") return &chief;
+  if (name == "worker") return &worker;
+  if (name == "ps") return &ps;
+  if (name == "evaluator") return &evaluator;
+  return nullptr;
+}
+
+absl::StatusOr<std::string> ClusterSpec::task_address() const {
+  const std::vector<std::string>* list = job(task_type);
+  if (list == nullptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cluster spec: task type \"%s\" is not one of chief, worker, ps, evaluator", task_type));
+  }
+  if (task_index < 0 || task_index >= static_cast<int>(list->size())) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cluster spec: task index %d is outside cluster \"%s\", which has %d addresses", task_index,
+        task_type, list->size()));
+  }
+  return (*list)[task_index];
+}
+
+std::string ClusterSpec::DebugString() const {
+  std::string out = absl::StrCat("task=", task_type, ":", task_index);
+  for (int j = 0; j < kNumJobs; ++j) {
+    const std::vector<std::string>& list = *job(kJobNames[j]);
+    if (!list.empty())
+      absl::StrAppend(&out, " ", kJobNames[j], "=[", absl::StrJoin(list, ","), "]");
+  }
+  return out;
+}
+
+}  // namespace psflow

@@ -1,0 +1,86 @@
+// ClusterSpec: the processes of a psflow cluster and which one this is, read
+// from TF_CONFIG (as TensorFlow and Kubeflow's TFJob write it) and/or from the
+// binaries' flags.
+//
+//   TF_CONFIG='{"cluster": {"chief": ["c:2222"], "worker": ["w0:2222"],
+//                           "ps": ["p0:2222", "p1:2222"]},
+//               "task": {"type": "worker", "index": 0},
+//               "environment": "cloud"}'
+//
+// Accepted: the jobs "chief", "worker", "ps", "evaluator" and TF1's "master"
+// (read as "chief", also as a task type); unknown top-level keys and unknown
+// keys inside "task" are ignored (TFJob writes "environment", some writers
+// "rpc_layer"). Rejected: any other job name, a job that is not a list of
+// strings, more than one chief, a task type missing from the cluster, an
+// index out of range, an address that is not "host:port" (port 1..65535;
+// "[v6addr]:port" and "unix:path" are also accepted), an address listed twice.
+// When "task.index" is absent it is 0 if the task's job has one address, and
+// an error otherwise.
+//
+// Every error is INVALID_ARGUMENT and names the key or flag at fault, the
+// value received and what was expected, e.g.
+//   TF_CONFIG: "task.index" is 3 but cluster "worker" has 2 addresses
+//   (expected 0..1)
+//
+// This library reads no environment variable and no flag itself: the file
+// with main() passes getenv("TF_CONFIG") and its flag values in.
+#ifndef PSFLOW_COMMON_CLUSTER_SPEC_H_
+#define PSFLOW_COMMON_CLUSTER_SPEC_H_
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace psflow {
+
+struct ClusterSpec {
+  // Addresses ("host:port") of each job's tasks, by task index.
+  std::vector<std::string> chief, worker, ps, evaluator;
+  std::string task_type;  // "chief" | "worker" | "ps" | "evaluator"
+  int task_index = 0;
+
+  // Parses and validates a complete TF_CONFIG (it must have "cluster" and
+  // "task"). See the file comment for what is accepted.
+  static absl::StatusOr<ClusterSpec> FromTfConfig(std::string_view json);
+
+  // Training processes: chief.size() + worker.size().
+  int num_replicas() const;
+  // This task's index among the training replicas: the chief is 0, worker i
+  // is i + chief.size(); -1 for ps and evaluator tasks.
+  int replica_index() const;
+  // The chief, or worker 0 when no chief is listed: it registers variables,
+  // decides checkpoints and runs evaluation.
+  bool is_chief() const;
+  // This task's own address; INVALID_ARGUMENT if task_type/task_index do not
+  // name a listed task (only possible for a hand-built spec).
+  absl::StatusOr<std::string> task_address() const;
+  // Addresses of `job` ("chief", "worker", "ps", "evaluator"); nullptr for
+  // any other name.
+  const std::vector<std::string>* job(std::string_view name) const;
+
+  // One line, e.g. `task=worker:1 chief=[c:1] worker=[w0:1,w1:1] ps=[p:1]`.
+  std::string DebugString() const;
+};
+
+// The binaries' cluster flags. An empty string or a negative index means
+// "not given".
+struct ClusterFlags {
+  std::string ps_hosts;      // --ps_hosts: comma-separated "host:port" list
+  std::string worker_hosts;  // --worker_hosts: comma-separated list
+  std::string chief_host;    // --chief_host: one "host:port"
+  std::string task_type;     // --task_type: chief|worker|ps|evaluator|master
+  int task_index = -1;       // --task_index
+};
+
+// Reads `tf_config` (the value of the TF_CONFIG variable; nullptr, empty or
+// blank means absent), then lets each given flag replace its part: a hosts
+// flag replaces that job's whole list, --task_type and --task_index the
+// task's. Validates the result as described in the file comment; errors name
+// the TF_CONFIG key or the flag each offending value came from.
+absl::StatusOr<ClusterSpec> ResolveCluster(const char* tf_config, const ClusterFlags& flags);
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_CLUSTER_SPEC_H_

@@ -1,0 +1,318 @@
+#include "common/cluster_spec.h"
+
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace psflow {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// What Kubeflow's TFJob operator writes for a job with a chief, two workers,
+// two PS and an evaluator, for the task `type`:`index`.
+std::string TfJobConfig(const std::string& type, int index) {
+  return R"({"cluster":{"chief":["job-chief-0.ns.svc:2222"],)"
+         R"("worker":["job-worker-0.ns.svc:2222","job-worker-1.ns.svc:2222"],)"
+         R"("ps":["job-ps-0.ns.svc:2222","job-ps-1.ns.svc:2222"],)"
+         R"("evaluator":["job-evaluator-0.ns.svc:2222"]},)"
+         R"("task":{"type":")" +
+         type + R"(","index":)" + std::to_string(index) + R"(},"environment":"cloud"})";
+}
+
+ClusterSpec MustParse(const std::string& json) {
+  absl::StatusOr<ClusterSpec> spec = ClusterSpec::FromTfConfig(json);
+  EXPECT_TRUE(spec.ok()) << spec.status();
+  return spec.ok() ? *spec : ClusterSpec{};
+}
+
+std::string ErrorOf(const absl::StatusOr<ClusterSpec>& spec) {
+  EXPECT_FALSE(spec.ok()) << "unexpectedly parsed: " << spec->DebugString();
+  if (spec.ok()) return "";
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kInvalidArgument) << spec.status();
+  return std::string(spec.status().message());
+}
+
+std::string TfConfigError(const std::string& json) {
+  return ErrorOf(ClusterSpec::FromTfConfig(json));
+}
+
+TEST(ClusterSpecTest, ParsesTfJobWorker) {
+  const ClusterSpec spec = MustParse(TfJobConfig("worker", 1));
+  EXPECT_THAT(spec.chief, ElementsAre("job-chief-0.ns.svc:2222"));
+  EXPECT_THAT(spec.worker, ElementsAre("job-worker-0.ns.svc:2222", "job-worker-1.ns.svc:2222"));
+  EXPECT_THAT(spec.ps, ElementsAre("job-ps-0.ns.svc:2222", "job-ps-1.ns.svc:2222"));
+  EXPECT_THAT(spec.evaluator, ElementsAre("job-evaluator-0.ns.svc:2222"));
+  EXPECT_EQ(spec.task_type, "worker");
+  EXPECT_EQ(spec.task_index, 1);
+  EXPECT_EQ(spec.num_replicas(), 3);
+  EXPECT_EQ(spec.replica_index(), 2);  // after the chief and worker 0
+  EXPECT_FALSE(spec.is_chief());
+  EXPECT_EQ(spec.task_address().value(), "job-worker-1.ns.svc:2222");
+}
+
+TEST(ClusterSpecTest, ParsesTfJobPsChiefAndEvaluator) {
+  const ClusterSpec ps = MustParse(TfJobConfig("ps", 1));
+  EXPECT_EQ(ps.task_type, "ps");
+  EXPECT_EQ(ps.replica_index(), -1);
+  EXPECT_FALSE(ps.is_chief());
+  EXPECT_EQ(ps.task_address().value(), "job-ps-1.ns.svc:2222");
+
+  const ClusterSpec chief = MustParse(TfJobConfig("chief", 0));
+  EXPECT_TRUE(chief.is_chief());
+  EXPECT_EQ(chief.replica_index(), 0);
+  EXPECT_EQ(chief.task_address().value(), "job-chief-0.ns.svc:2222");
+
+  const ClusterSpec worker0 = MustParse(TfJobConfig("worker", 0));
+  EXPECT_FALSE(worker0.is_chief());  // a chief is listed
+  EXPECT_EQ(worker0.replica_index(), 1);
+
+  const ClusterSpec evaluator = MustParse(TfJobConfig("evaluator", 0));
+  EXPECT_EQ(evaluator.replica_index(), -1);
+  EXPECT_FALSE(evaluator.is_chief());
+  EXPECT_EQ(evaluator.task_address().value(), "job-evaluator-0.ns.svc:2222");
+}
+
+TEST(ClusterSpecTest, WorkerZeroIsChiefWhenNoChiefIsListed) {
+  const std::string base =
+      R"({"cluster":{"worker":["w0:1","w1:1"],"ps":["p0:1"]},"task":{"type":"worker","index":)";
+  const ClusterSpec w0 = MustParse(base + "0}}");
+  const ClusterSpec w1 = MustParse(base + "1}}");
+  EXPECT_TRUE(w0.is_chief());
+  EXPECT_FALSE(w1.is_chief());
+  EXPECT_EQ(w0.replica_index(), 0);
+  EXPECT_EQ(w1.replica_index(), 1);
+  EXPECT_EQ(w1.num_replicas(), 2);
+}
+
+TEST(ClusterSpecTest, MasterIsReadAsChief) {
+  const ClusterSpec spec =
+      MustParse(R"({"cluster":{"master":["m:2222"],"worker":["w:2222"],"ps":["p:2222"]},)"
+                R"("task":{"type":"master","index":0}})");
+  EXPECT_THAT(spec.chief, ElementsAre("m:2222"));
+  EXPECT_EQ(spec.task_type, "chief");
+  EXPECT_TRUE(spec.is_chief());
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"master":["m:1"],"chief":["c:1"]},"task":{"type":"chief"}})"),
+      HasSubstr("both \"chief\" and \"master\""));
+}
+
+TEST(ClusterSpecTest, IgnoresUnknownTopLevelAndTaskKeys) {
+  const ClusterSpec spec = MustParse(
+      R"({"cluster":{"ps":["p:1"],"worker":["w:1"]},"task":{"type":"ps","index":0,"trial":"3"},)"
+      R"("environment":"cloud","rpc_layer":"grpc","extra":{"a":[1,2]}})");
+  EXPECT_EQ(spec.task_type, "ps");
+}
+
+TEST(ClusterSpecTest, MissingIndexIsZeroOnlyForASingleAddressJob) {
+  const ClusterSpec spec = MustParse(
+      R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"]},"task":{"type":"chief"}})");
+  EXPECT_EQ(spec.task_index, 0);
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w0:1","w1:1"]},"task":{"type":"worker"}})"),
+              HasSubstr("missing \"task.index\": cluster \"worker\" has 2 addresses"));
+}
+
+TEST(ClusterSpecTest, AcceptsIpv6AndUnixAddresses) {
+  const ClusterSpec spec = MustParse(
+      R"({"cluster":{"worker":["[::1]:2222","unix:/tmp/psflow.sock","[fe80::1%eth0]:1"],)"
+      R"("ps":["10.0.0.1:1","ps-0.example.com:65535","under_score:80"]},"task":{"type":"worker","index":1}})");
+  EXPECT_EQ(spec.task_address().value(), "unix:/tmp/psflow.sock");
+}
+
+TEST(ClusterSpecTest, RejectsMalformedJson) {
+  for (const char* json : {"{", R"({"cluster": )", "not json", R"({"a":})", "[1,2]",
+                           R"({"cluster":{"worker":["w:1"]})"}) {
+    EXPECT_THAT(TfConfigError(json), HasSubstr("TF_CONFIG is not valid JSON: ")) << json;
+  }
+  EXPECT_THAT(TfConfigError(""), HasSubstr("TF_CONFIG is empty"));
+}
+
+TEST(ClusterSpecTest, RejectsWrongJsonTypesNamingTheKey) {
+  EXPECT_EQ(TfConfigError(R"({"cluster":{"ps":3,"worker":["w:1"]},"task":{"type":"worker"}})"),
+            "TF_CONFIG: \"cluster.ps\" must be a list of \"host:port\" strings, got a number");
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":"w:1"},"task":{"type":"worker"}})"),
+      HasSubstr("\"cluster.worker\" must be a list of \"host:port\" strings, got a string"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1",2222]},"task":{"type":"worker"}})"),
+              HasSubstr("\"cluster.worker[1]\" must be a \"host:port\" string, got a number"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":["w:1"],"task":{"type":"worker"}})"),
+              HasSubstr("\"cluster\" must be an object"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":"worker"})"),
+              HasSubstr("\"task\" must be an object"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":1}})"),
+              HasSubstr("\"task.type\" must be a string"));
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"worker","index":"0"}})"),
+      HasSubstr("\"task.index\" must be an integer, got a string"));
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"worker","index":0.5}})"),
+      HasSubstr("\"task.index\" must be an integer, got 0.5"));
+}
+
+TEST(ClusterSpecTest, RejectsUnknownJobAndTaskType) {
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":["w:1"],"trainer":["t:1"]},"task":{"type":"worker"}})"),
+      HasSubstr("unknown job \"trainer\" in \"cluster\"; expected chief, worker, ps, evaluator or "
+                "master"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"boss","index":0}})"),
+              HasSubstr("TF_CONFIG: \"task.type\" is \"boss\"; expected chief"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"ps","index":0}})"),
+              HasSubstr("\"task.type\" is \"ps\" but the cluster lists no \"ps\" addresses"));
+}
+
+TEST(ClusterSpecTest, RejectsIndexOutOfRange) {
+  EXPECT_EQ(
+      TfConfigError(R"({"cluster":{"worker":["w0:1","w1:1"]},"task":{"type":"worker","index":3}})"),
+      "TF_CONFIG: \"task.index\" is 3 but cluster \"worker\" has 2 addresses (expected 0..1)");
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":["w0:1"]},"task":{"type":"worker","index":-1}})"),
+      HasSubstr("\"task.index\" is -1 but cluster \"worker\" has 1 address (expected 0..0)"));
+}
+
+TEST(ClusterSpecTest, RejectsMissingPieces) {
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]}})"),
+              HasSubstr("missing \"task.type\""));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"index":0}})"),
+              HasSubstr("missing \"task.type\""));
+  EXPECT_THAT(TfConfigError(R"({"task":{"type":"worker","index":0}})"),
+              HasSubstr("missing \"cluster\""));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{},"task":{"type":"worker","index":0}})"),
+              HasSubstr("missing \"cluster\""));
+}
+
+TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
+  for (const char* bad :
+       {"h:0", "h:65536", "h:abc", "h", "h:", ":80", "h:-1", "h: 80", "h :80", "::1:80", "[::1]",
+        "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x", "unix:", "h:123456"}) {
+    const std::string json = std::string(R"({"cluster":{"worker":["ok:1",")") + bad +
+                             R"("]},"task":{"type":"worker","index":0}})";
+    const std::string error = TfConfigError(json);
+    EXPECT_THAT(error,
+                HasSubstr(std::string("TF_CONFIG: \"cluster.worker[1]\" is \"") + bad + "\""))
+        << bad;
+    EXPECT_THAT(error, HasSubstr("expected \"host:port\" with a port in 1..65535")) << bad;
+  }
+}
+
+TEST(ClusterSpecTest, RejectsDuplicateAddressesAndTwoChiefs) {
+  EXPECT_THAT(
+      TfConfigError(
+          R"({"cluster":{"worker":["a:1"],"ps":["b:1","a:1"]},"task":{"type":"ps","index":0}})"),
+      HasSubstr("\"cluster.ps[1]\" is \"a:1\", the same address as \"cluster.worker[0]\""));
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"chief":["a:1","b:1"]},"task":{"type":"chief","index":0}})"),
+      HasSubstr("\"cluster.chief\" has 2 addresses; expected at most one chief"));
+}
+
+TEST(ResolveClusterTest, FlagsAlone) {
+  ClusterFlags flags;
+  flags.ps_hosts = "p0:2222,p1:2222";
+  flags.worker_hosts = "w0:2222, w1:2222 ,w2:2222";
+  flags.chief_host = "c:2222";
+  flags.task_type = "worker";
+  flags.task_index = 2;
+  for (const char* absent : {static_cast<const char*>(nullptr), "", "  \n"}) {
+    absl::StatusOr<ClusterSpec> spec = ResolveCluster(absent, flags);
+    ASSERT_TRUE(spec.ok()) << spec.status();
+    EXPECT_THAT(spec->ps, ElementsAre("p0:2222", "p1:2222"));
+    EXPECT_THAT(spec->worker, ElementsAre("w0:2222", "w1:2222", "w2:2222"));
+    EXPECT_THAT(spec->chief, ElementsAre("c:2222"));
+    EXPECT_EQ(spec->replica_index(), 3);
+    EXPECT_EQ(spec->task_address().value(), "w2:2222");
+  }
+}
+
+TEST(ResolveClusterTest, TfConfigAloneMatchesFromTfConfig) {
+  const std::string json = TfJobConfig("ps", 0);
+  absl::StatusOr<ClusterSpec> spec = ResolveCluster(json.c_str(), ClusterFlags{});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->DebugString(), MustParse(json).DebugString());
+}
+
+TEST(ResolveClusterTest, FlagsOverrideTfConfigPartByPart) {
+  const std::string json = TfJobConfig("worker", 1);
+  ClusterFlags flags;
+  flags.worker_hosts = "x0:1,x1:1,x2:1";
+  flags.task_index = 2;
+  absl::StatusOr<ClusterSpec> spec = ResolveCluster(json.c_str(), flags);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->worker, ElementsAre("x0:1", "x1:1", "x2:1"));
+  EXPECT_EQ(spec->task_type, "worker");  // from TF_CONFIG
+  EXPECT_EQ(spec->task_index, 2);        // from the flag
+  EXPECT_THAT(spec->ps, ElementsAre("job-ps-0.ns.svc:2222", "job-ps-1.ns.svc:2222"));
+  EXPECT_THAT(spec->chief, ElementsAre("job-chief-0.ns.svc:2222"));
+
+  ClusterFlags type_only;
+  type_only.task_type = "master";
+  type_only.task_index = 0;
+  spec = ResolveCluster(json.c_str(), type_only);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_type, "chief");
+  EXPECT_TRUE(spec->is_chief());
+}
+
+TEST(ResolveClusterTest, ErrorsNameTheFlag) {
+  const std::string json = TfJobConfig("worker", 1);
+  ClusterFlags index;
+  index.task_index = 5;
+  EXPECT_EQ(ErrorOf(ResolveCluster(json.c_str(), index)),
+            "--task_index is 5 but cluster \"worker\" has 2 addresses (expected 0..1)");
+  ClusterFlags type;
+  type.task_type = "trainer";
+  EXPECT_THAT(ErrorOf(ResolveCluster(json.c_str(), type)), HasSubstr("--task_type is \"trainer\""));
+  ClusterFlags port;
+  port.worker_hosts = "w0:1,w1:0";
+  EXPECT_THAT(ErrorOf(ResolveCluster(json.c_str(), port)),
+              HasSubstr("--worker_hosts entry 1 is \"w1:0\""));
+  ClusterFlags empty_entry;
+  empty_entry.ps_hosts = "p0:1,,p2:1";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, empty_entry)),
+              HasSubstr("--ps_hosts entry 1 is empty"));
+  ClusterFlags two_chiefs;
+  two_chiefs.chief_host = "a:1,b:1";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, two_chiefs)),
+              HasSubstr("--chief_host is \"a:1,b:1\""));
+  ClusterFlags duplicate;
+  duplicate.ps_hosts = "job-worker-0.ns.svc:2222";
+  EXPECT_THAT(ErrorOf(ResolveCluster(json.c_str(), duplicate)),
+              HasSubstr("the same address as \"cluster.worker[0]\""));
+}
+
+TEST(ResolveClusterTest, MissingDescriptionOrTask) {
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ClusterFlags{})),
+              HasSubstr("no cluster description"));
+  ClusterFlags hosts_only;
+  hosts_only.worker_hosts = "w0:1,w1:1";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, hosts_only)), HasSubstr("--task_type was not given"));
+  hosts_only.task_type = "worker";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, hosts_only)),
+              HasSubstr("--task_index was not given"));
+  // A malformed TF_CONFIG is reported even when flags are given.
+  EXPECT_THAT(ErrorOf(ResolveCluster("{oops", hosts_only)),
+              HasSubstr("TF_CONFIG is not valid JSON"));
+}
+
+TEST(ClusterSpecTest, TaskAddressOfHandBuiltSpecIsChecked) {
+  ClusterSpec spec;
+  spec.worker = {"w:1"};
+  spec.task_type = "worker";
+  spec.task_index = 1;
+  EXPECT_FALSE(spec.task_address().ok());
+  spec.task_type = "boss";
+  spec.task_index = 0;
+  EXPECT_FALSE(spec.task_address().ok());
+  EXPECT_EQ(spec.job("boss"), nullptr);
+}
+
+TEST(ClusterSpecTest, DebugStringShowsTaskAndJobs) {
+  const std::string s = MustParse(TfJobConfig("ps", 1)).DebugString();
+  EXPECT_THAT(s, HasSubstr("task=ps:1"));
+  EXPECT_THAT(s, HasSubstr("job-ps-1.ns.svc:2222"));
+  EXPECT_THAT(s, HasSubstr("evaluator=[job-evaluator-0.ns.svc:2222]"));
+}
+
+}  // namespace
+}  // namespace psflow
