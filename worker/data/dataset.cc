@@ -1,0 +1,328 @@
+#include "worker/data/dataset.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "common/status_macros.h"
+
+namespace psflow::worker {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr uint32_t kIdxImagesMagic = 0x00000803;  // uint8, 3 dimensions
+constexpr uint32_t kIdxLabelsMagic = 0x00000801;  // uint8, 1 dimension
+constexpr int kNumClasses = 10;
+constexpr int kCifarSide = 32;
+constexpr int kCifarChannels = 3;
+constexpr int64_t kCifarImageBytes = kCifarSide * kCifarSide * kCifarChannels;
+constexpr int64_t kCifarRecordBytes = 1 + kCifarImageBytes;
+// Bound on rows/cols of an IDX image; a larger value means a corrupt header.
+constexpr uint32_t kMaxIdxSide = 1 << 15;
+// Reads grow their buffer by at most this much at a time, so a corrupt
+// header claiming terabytes fails as "truncated" instead of allocating.
+constexpr size_t kReadChunk = size_t{16} << 20;
+
+// A file opened through zlib, which reads gzip'd and plain files alike.
+class GzReader {
+ public:
+  static absl::StatusOr<GzReader> Open(const std::string& path) {
+    std::error_code ec;
+    if (!fs::exists(path, ec)) {
+      return absl::NotFoundError(absl::StrCat("file ", path, " does not exist"));
+    }
+    if (fs::is_directory(path, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("file ", path, " is a directory, expected a data file"));
+    }
+    errno = 0;
+    gzFile file = gzopen(path.c_str(), "rb");
+    if (file == nullptr) {
+      return absl::InternalError(absl::StrCat("cannot open file ", path, ": ",
+                                              errno ? std::strerror(errno) : "zlib error"));
+    }
+    gzbuffer(file, 1 << 17);
+    return GzReader(path, file);
+  }
+
+  GzReader(GzReader&& other) noexcept
+      : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+  GzReader& operator=(GzReader&&) = delete;
+  ~GzReader() {
+    if (file_ != nullptr) gzclose(file_);
+  }
+
+  const std::string& path() const { return path_; }
+
+  // Appends up to `n` bytes to `out`; stops early only at the end of the
+  // file (including a gzip stream that ends early, which zlib reports as
+  // end of file). Returns the number of bytes appended.
+  absl::StatusOr<size_t> AppendUpTo(size_t n, std::vector<uint8_t>& out) {
+    size_t total = 0;
+    while (total < n) {
+      const size_t chunk = std::min(n - total, kReadChunk);
+      const size_t start = out.size();
+      out.resize(start + chunk);
+      const int got = gzread(file_, out.data() + start, static_cast<unsigned>(chunk));
+      if (got < 0) {
+        int errnum = 0;
+        const char* msg = gzerror(file_, &errnum);
+        out.resize(start);
+        return absl::DataLossError(
+            absl::StrCat("file ", path_, ": read failed after ", total, " bytes: ",
+                         errnum == Z_ERRNO ? std::strerror(errno) : msg));
+      }
+      out.resize(start + static_cast<size_t>(got));
+      total += static_cast<size_t>(got);
+      if (static_cast<size_t>(got) < chunk) break;
+    }
+    return total;
+  }
+
+  // Reads exactly n bytes into `out` (replacing its contents), or returns
+  // DATA_LOSS saying what part of the file was truncated.
+  absl::Status ReadExactly(size_t n, std::vector<uint8_t>& out, const char* what) {
+    out.clear();
+    out.reserve(std::min(n, size_t{1} << 28));
+    PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(n, out));
+    if (got < n) {
+      return absl::DataLossError(absl::StrCat("file ", path_, " is truncated: expected ", n,
+                                              " bytes of ", what, ", found ", got));
+    }
+    return absl::OkStatus();
+  }
+
+  // Reads everything left in the file.
+  absl::StatusOr<std::vector<uint8_t>> ReadAll() {
+    std::vector<uint8_t> out;
+    while (true) {
+      PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(kReadChunk, out));
+      if (got < kReadChunk) return out;
+    }
+  }
+
+ private:
+  GzReader(std::string path, gzFile file) : path_(std::move(path)), file_(file) {}
+
+  std::string path_;
+  gzFile file_;
+};
+
+uint32_t BigEndian32(const uint8_t* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | p[3];
+}
+
+// Reads an IDX header: the magic number and `num_dims` dimension sizes.
+absl::StatusOr<std::vector<uint32_t>> ReadIdxHeader(GzReader& reader, uint32_t expected_magic,
+                                                    int num_dims, const char* kind) {
+  // The magic number is checked before the dimensions are read, so a file
+  // of the wrong kind is reported as such even when it is shorter.
+  const size_t header_bytes = 4 * (1 + static_cast<size_t>(num_dims));
+  std::vector<uint8_t> header;
+  header.reserve(header_bytes);
+  PSFLOW_ASSIGN_OR_RETURN(size_t got, reader.AppendUpTo(4, header));
+  if (got == 4 && BigEndian32(header.data()) == expected_magic) {
+    PSFLOW_ASSIGN_OR_RETURN(size_t rest, reader.AppendUpTo(header_bytes - 4, header));
+    got += rest;
+  }
+  if (got < 4 || (BigEndian32(header.data()) == expected_magic && got < header_bytes)) {
+    return absl::DataLossError(absl::StrCat("file ", reader.path(),
+                                            " is truncated: expected ", header_bytes,
+                                            " bytes of IDX header, found ", got));
+  }
+  const uint32_t magic = BigEndian32(header.data());
+  if (magic != expected_magic) {
+    std::string hint;
+    if (magic == kIdxImagesMagic || magic == kIdxLabelsMagic) {
+      hint = absl::StrCat(" (that is an IDX ", magic == kIdxImagesMagic ? "images" : "labels",
+                          " file; were the images and labels files swapped?)");
+    } else if (header[0] == 0x1f && header[1] == 0x8b) {
+      hint = " (a gzip header inside the data: was the file compressed twice?)";
+    }
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "file %s: wrong magic number for an IDX %s file: expected 0x%08x, found 0x%08x%s",
+        reader.path(), kind, expected_magic, magic, hint));
+  }
+  std::vector<uint32_t> dims(num_dims);
+  for (int d = 0; d < num_dims; ++d) dims[d] = BigEndian32(header.data() + 4 * (d + 1));
+  return dims;
+}
+
+absl::Status CheckLabels(const std::vector<int32_t>& labels, int64_t first_example,
+                         const std::string& path) {
+  for (size_t i = 0; i < labels.size(); ++i) {
+    if (labels[i] < 0 || labels[i] >= kNumClasses) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("file ", path, ": label ", labels[i], " of example ",
+                       first_example + static_cast<int64_t>(i), " is outside [0, ",
+                       kNumClasses, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Returns dir/base, or dir/base.gz, whichever exists.
+absl::StatusOr<std::string> FindFile(const std::string& dir, const std::string& base) {
+  std::error_code ec;
+  const fs::path plain = fs::path(dir) / base;
+  if (fs::exists(plain, ec)) return plain.string();
+  const fs::path gz = fs::path(dir) / (base + ".gz");
+  if (fs::exists(gz, ec)) return gz.string();
+  return absl::NotFoundError(absl::StrCat("file ", plain.string(), " does not exist (nor ",
+                                          gz.string(), ")"));
+}
+
+absl::Status CheckDirectory(const std::string& dir, const std::string& data_set,
+                            const std::string& hint) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::NotFoundError(absl::StrCat("data directory ", dir, " for data set ", data_set,
+                                            " does not exist", hint));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Dataset> LoadIdxSplit(const std::string& dir, const std::string& prefix,
+                                     const std::string& name) {
+  PSFLOW_ASSIGN_OR_RETURN(std::string images,
+                          FindFile(dir, absl::StrCat(prefix, "-images-idx3-ubyte")));
+  PSFLOW_ASSIGN_OR_RETURN(std::string labels,
+                          FindFile(dir, absl::StrCat(prefix, "-labels-idx1-ubyte")));
+  return LoadIdx(images, labels, name);
+}
+
+}  // namespace
+
+absl::StatusOr<Dataset> LoadIdx(const std::string& images_path, const std::string& labels_path,
+                                std::string name) {
+  Dataset data;
+  data.name = std::move(name);
+  data.channels = 1;
+  data.num_classes = kNumClasses;
+
+  PSFLOW_ASSIGN_OR_RETURN(GzReader images, GzReader::Open(images_path));
+  PSFLOW_ASSIGN_OR_RETURN(std::vector<uint32_t> image_dims,
+                          ReadIdxHeader(images, kIdxImagesMagic, 3, "images"));
+  const uint32_t rows = image_dims[1], cols = image_dims[2];
+  if (rows == 0 || cols == 0 || rows > kMaxIdxSide || cols > kMaxIdxSide) {
+    return absl::InvalidArgumentError(absl::StrCat("file ", images_path,
+                                                   ": image size must be in [1, ", kMaxIdxSide,
+                                                   "] per side, found ", rows, "x", cols));
+  }
+  data.num_examples = image_dims[0];
+  data.height = static_cast<int>(rows);
+  data.width = static_cast<int>(cols);
+
+  PSFLOW_ASSIGN_OR_RETURN(GzReader labels, GzReader::Open(labels_path));
+  PSFLOW_ASSIGN_OR_RETURN(std::vector<uint32_t> label_dims,
+                          ReadIdxHeader(labels, kIdxLabelsMagic, 1, "labels"));
+  if (label_dims[0] != image_dims[0]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "image/label count mismatch: images file ", images_path, " holds ", image_dims[0],
+        " examples, labels file ", labels_path, " holds ", label_dims[0]));
+  }
+
+  const size_t pixel_bytes = static_cast<size_t>(data.num_examples) * rows * cols;
+  PSFLOW_RETURN_IF_ERROR(images.ReadExactly(pixel_bytes, data.pixels, "pixels"));
+  std::vector<uint8_t> label_bytes;
+  PSFLOW_RETURN_IF_ERROR(
+      labels.ReadExactly(static_cast<size_t>(data.num_examples), label_bytes, "labels"));
+  data.labels.assign(label_bytes.begin(), label_bytes.end());
+  PSFLOW_RETURN_IF_ERROR(CheckLabels(data.labels, 0, labels_path));
+  return data;
+}
+
+absl::StatusOr<Dataset> LoadCifar10(const std::string& dir, bool train) {
+  std::vector<std::string> bases;
+  if (train) {
+    for (int i = 1; i <= 5; ++i) bases.push_back(absl::StrCat("data_batch_", i, ".bin"));
+  } else {
+    bases.push_back("test_batch.bin");
+  }
+  PSFLOW_RETURN_IF_ERROR(CheckDirectory(dir, "cifar10", ""));
+  std::string batch_dir = dir;
+  std::error_code ec;
+  if (!FindFile(dir, bases[0]).ok() && fs::is_directory(fs::path(dir) / "cifar-10-batches-bin", ec)) {
+    batch_dir = (fs::path(dir) / "cifar-10-batches-bin").string();
+  }
+
+  Dataset data;
+  data.name = train ? "cifar10/train" : "cifar10/test";
+  data.height = kCifarSide;
+  data.width = kCifarSide;
+  data.channels = kCifarChannels;
+  data.num_classes = kNumClasses;
+  for (const std::string& base : bases) {
+    PSFLOW_ASSIGN_OR_RETURN(std::string path, FindFile(batch_dir, base));
+    PSFLOW_ASSIGN_OR_RETURN(GzReader reader, GzReader::Open(path));
+    PSFLOW_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, reader.ReadAll());
+    const int64_t size = static_cast<int64_t>(bytes.size());
+    if (size == 0 || size % kCifarRecordBytes != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "file ", path, ": size must be a positive multiple of ", kCifarRecordBytes,
+          " (1 label byte + ", kCifarImageBytes, " pixel bytes per record), found ", size,
+          " bytes (", size / kCifarRecordBytes, " records and ", size % kCifarRecordBytes,
+          " bytes left over)"));
+    }
+    const int64_t records = size / kCifarRecordBytes;
+    const int64_t first = data.num_examples;
+    data.pixels.resize(static_cast<size_t>((first + records) * kCifarImageBytes));
+    std::vector<int32_t> labels(static_cast<size_t>(records));
+    constexpr int kPlane = kCifarSide * kCifarSide;
+    for (int64_t r = 0; r < records; ++r) {
+      const uint8_t* record = bytes.data() + r * kCifarRecordBytes;
+      labels[r] = record[0];
+      const uint8_t* chw = record + 1;
+      uint8_t* hwc = data.pixels.data() + (first + r) * kCifarImageBytes;
+      for (int p = 0; p < kPlane; ++p) {
+        for (int c = 0; c < kCifarChannels; ++c) hwc[p * kCifarChannels + c] = chw[c * kPlane + p];
+      }
+    }
+    PSFLOW_RETURN_IF_ERROR(CheckLabels(labels, 0, path));
+    data.labels.insert(data.labels.end(), labels.begin(), labels.end());
+    data.num_examples += records;
+  }
+  return data;
+}
+
+absl::StatusOr<DataSplits> LoadDataset(const std::string& name, const std::string& data_dir) {
+  DataSplits splits;
+  if (name == "fashion_mnist" || name == "mnist") {
+    const bool fashion = name == "fashion_mnist";
+    const std::string dir =
+        !data_dir.empty() ? data_dir : (fashion ? kDefaultFashionMnistDir : kDefaultMnistDir);
+    std::string hint;
+    if (data_dir.empty()) {
+      hint = fashion ? " (it is the default; install Debian's dataset-fashion-mnist package or "
+                       "pass --data_dir)"
+                     : " (it is the default; pass --data_dir)";
+    }
+    PSFLOW_RETURN_IF_ERROR(CheckDirectory(dir, name, hint));
+    PSFLOW_ASSIGN_OR_RETURN(splits.train, LoadIdxSplit(dir, "train", name + "/train"));
+    PSFLOW_ASSIGN_OR_RETURN(splits.test, LoadIdxSplit(dir, "t10k", name + "/test"));
+    return splits;
+  }
+  if (name == "cifar10") {
+    if (data_dir.empty()) {
+      return absl::InvalidArgumentError(
+          "data set cifar10 has no default directory: pass --data_dir with the folder holding "
+          "data_batch_1.bin .. data_batch_5.bin and test_batch.bin");
+    }
+    PSFLOW_ASSIGN_OR_RETURN(splits.train, LoadCifar10(data_dir, /*train=*/true));
+    PSFLOW_ASSIGN_OR_RETURN(splits.test, LoadCifar10(data_dir, /*train=*/false));
+    return splits;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown data set \"", name, "\": expected one of fashion_mnist, mnist, cifar10"));
+}
+
+}  // namespace psflow::worker
