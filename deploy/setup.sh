@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what psflow builds and runs with, from Debian 12's archive, when
+# it is missing (as root, or through sudo). Nothing else is downloaded: the
+# data set is Debian's dataset-fashion-mnist package. The CUDA toolkit is
+# optional and never installed here: CMake builds the CUDA backend when it
+# finds /usr/local/cuda.
+set -euo pipefail
+packages=(
+  build-essential cmake pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
+  libdnnl-dev zlib1g-dev
+  dataset-fashion-mnist
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "setup: all build dependencies are installed"
+  exit 0
+fi
+echo "setup: installing ${missing[*]}"
+sudo=""
+[ "$(id -u)" = 0 ] || sudo=sudo
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"

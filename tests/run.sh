@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The test command: installs the build dependencies if needed, builds
+# everything from scratch in BUILD_DIR (default: build-tests) and runs the
+# whole CTest suite (labels unit, integration, fault; gpu tests skip without
+# a GPU). Arguments go to ctest (e.g. -L unit); KEEP_BUILD=1 reuses the
+# build directory instead of starting from scratch.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+BUILD_DIR=${BUILD_DIR:-$here/build-tests}
+JOBS=${JOBS:-$(nproc)}
+bash "$here/deploy/setup.sh"
+[ "${KEEP_BUILD:-0}" = 1 ] || rm -rf "$BUILD_DIR"
+cmake -S "$here" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
+cmake --build "$BUILD_DIR" -j"$JOBS"
+ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$JOBS" --timeout 900 "$@"

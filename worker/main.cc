@@ -1,0 +1,174 @@
+// worker: trains a model on its shard of a data set against psflow's
+// parameter servers.
+//
+//   worker --ps_hosts=localhost:2222,localhost:2223 --task_index=0
+//          --worker_hosts=localhost:2230,localhost:2231 --dataset=fashion_mnist --epochs=3
+//   TF_CONFIG='{"cluster":{"ps":[...],"worker":[...]},"task":{"type":"worker","index":1}}' worker
+//
+// The chief (or worker 0 when the cluster lists no chief) registers the
+// variables and evaluates on the test set after every epoch.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/time.h"
+#include "common/cluster_spec.h"
+#include "common/flags_usage.h"
+#include "common/process_stats.h"
+#include "worker/backend.h"
+#include "worker/data/dataset.h"
+#include "worker/grpc_ps_client.h"
+#include "worker/model/model_def.h"
+#include "worker/trainer.h"
+
+ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
+ABSL_FLAG(std::string, worker_hosts, "", "Comma-separated worker addresses (overrides TF_CONFIG).");
+ABSL_FLAG(std::string, chief_host, "", "The chief's address, if the cluster has a chief.");
+ABSL_FLAG(std::string, task_type, "", "worker or chief (default: TF_CONFIG task.type, else worker).");
+ABSL_FLAG(int, task_index, -1, "This task's index (default: TF_CONFIG task.index, else 0).");
+ABSL_FLAG(std::string, dataset, "fashion_mnist", "fashion_mnist | mnist | cifar10.");
+ABSL_FLAG(std::string, data_dir, "",
+          "Directory of the data set files (default: /usr/share/datasets/fashion-mnist for "
+          "fashion_mnist, /usr/share/datasets/mnist for mnist; cifar10 needs it).");
+ABSL_FLAG(std::string, model, "seed",
+          "Model spec (e.g. conv2d:32:3:relu,flatten,dense:128:relu,dense:10), a built-in "
+          "(seed, two_conv) or @file.");
+ABSL_FLAG(int, batch_size, 64, "Examples per step and worker.");
+ABSL_FLAG(int, epochs, 3, "Passes over this worker's shard of the training set.");
+ABSL_FLAG(int64_t, train_steps, 0, "Stop after this many steps of this worker (0: no cap).");
+ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | reference (auto: cuda if a GPU is visible).");
+ABSL_FLAG(int, threads, 0, "CPU threads for compute (0: all cores / local workers, at least 1).");
+ABSL_FLAG(double, gpu_memory_limit_mb, 0, "CUDA: most device memory the worker may take (0: no cap).");
+ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial values and the shuffling (same on every worker).");
+ABSL_FLAG(bool, overlap, true, "Overlap push/pull of one step with the compute of the next.");
+ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20, "Tensor data per stream message.");
+ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
+ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
+          "register the variables.");
+ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end.");
+
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "worker: %s\n", std::string(status.ToString()).c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  psflow::SetUsage(
+      "psflow worker: trains a model against the parameter servers.\n"
+      "  worker --ps_hosts=h:2222,h:2223 --worker_hosts=h:2230,h:2231 --task_index=0\n"
+      "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
+      "worker/main.cc");
+  absl::ParseCommandLine(argc, argv);
+  psflow::TuneAllocatorForLargeMessages();
+  using namespace psflow::worker;  // NOLINT: a main file
+
+  psflow::ClusterFlags flags;
+  flags.ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
+  flags.worker_hosts = absl::GetFlag(FLAGS_worker_hosts);
+  flags.chief_host = absl::GetFlag(FLAGS_chief_host);
+  flags.task_type = absl::GetFlag(FLAGS_task_type);
+  flags.task_index = absl::GetFlag(FLAGS_task_index);
+  if (flags.task_type.empty() && flags.task_index >= 0 && std::getenv("TF_CONFIG") == nullptr) {
+    flags.task_type = "worker";
+  }
+  auto cluster = psflow::ResolveCluster(std::getenv("TF_CONFIG"), flags);
+  if (!cluster.ok()) return Fail(cluster.status());
+  if (cluster->task_type != "worker" && cluster->task_type != "chief") {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "this process's task is \"", cluster->task_type,
+        "\"; the worker binary runs \"worker\" or \"chief\" tasks")));
+  }
+  if (cluster->ps.empty()) {
+    return Fail(absl::InvalidArgumentError("the cluster lists no ps tasks (--ps_hosts or "
+                                           "TF_CONFIG cluster.ps)"));
+  }
+  const int replica = cluster->replica_index();
+  const int replicas = cluster->num_replicas();
+
+  auto data = LoadDataset(absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir));
+  if (!data.ok()) return Fail(data.status());
+  auto model = ParseModel(absl::GetFlag(FLAGS_model),
+                          {data->train.height, data->train.width, data->train.channels});
+  if (!model.ok()) return Fail(model.status());
+
+  BackendOptions backend_options;
+  int threads = absl::GetFlag(FLAGS_threads);
+  if (threads <= 0) {
+    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  }
+  backend_options.threads = threads;
+  backend_options.gpu_memory_limit_mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb);
+  auto backend = CreateBackend(absl::GetFlag(FLAGS_device), backend_options);
+  if (!backend.ok()) return Fail(backend.status());
+  const int batch_size = absl::GetFlag(FLAGS_batch_size);
+  if (batch_size < 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--batch_size=", batch_size, "; expected at least 1")));
+  }
+  if (absl::Status s = (*backend)->Prepare(*model, batch_size); !s.ok()) return Fail(s);
+
+  GrpcPsClientOptions client_options;
+  client_options.ps_addresses = cluster->ps;
+  client_options.worker_id = replica;
+  client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
+  client_options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  auto client = CreateGrpcPsClient(model->variables, client_options);
+  if (!client.ok()) return Fail(client.status());
+
+  int64_t parameters = 0;
+  for (const auto& v : model->variables) parameters += v.num_elements();
+  std::printf("worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples in "
+              "this shard's data set, device %s, %d threads, %zu ps shards\n",
+              replica, replicas, cluster->is_chief() ? " (chief)" : "",
+              absl::GetFlag(FLAGS_dataset).c_str(), model->spec.c_str(),
+              static_cast<long long>(parameters),
+              static_cast<long long>(data->train.num_examples), (*backend)->name().c_str(), threads,
+              cluster->ps.size());
+  std::fflush(stdout);
+
+  TrainerOptions options;
+  options.replica_index = replica;
+  options.num_replicas = replicas;
+  options.is_chief = cluster->is_chief();
+  options.batch_size = batch_size;
+  options.epochs = absl::GetFlag(FLAGS_epochs);
+  options.train_steps = absl::GetFlag(FLAGS_train_steps);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  options.overlap = absl::GetFlag(FLAGS_overlap);
+  options.wait_for_variables = absl::Seconds(absl::GetFlag(FLAGS_wait_for_variables_s));
+  options.progress_tty = isatty(fileno(stdout)) != 0;
+  auto summary = Train(*model, backend->get(), client->get(), data->train, data->test, options);
+  if (!summary.ok()) return Fail(summary.status());
+
+  std::printf("worker %d: %lld steps, %.0f examples/s, test_accuracy %.4f, test_loss %.4f, "
+              "%.1f s (compute %.1f s, waiting for push/pull %.1f s, data %.1f s, eval %.1f s)\n",
+              replica, static_cast<long long>(summary->steps), summary->examples_per_sec,
+              summary->test_accuracy, summary->test_loss, summary->wall_seconds,
+              summary->compute_s, summary->wait_comm_s, summary->wait_data_s, summary->eval_s);
+  const std::string path = absl::GetFlag(FLAGS_summary_json);
+  if (!path.empty()) {
+    const std::string extra = absl::StrFormat(
+        "\"worker\": %d, \"num_workers\": %d, \"chief\": %s, \"device\": \"%s\", \"model\": "
+        "\"%s\", \"dataset\": \"%s\", \"batch_size\": %d, \"threads\": %d, \"ps_shards\": %d, "
+        "\"parameters\": %d",
+        replica, replicas, cluster->is_chief() ? "true" : "false", (*backend)->name(),
+        model->spec, absl::GetFlag(FLAGS_dataset), batch_size, threads,
+        static_cast<int>(cluster->ps.size()), parameters);
+    std::ofstream out(path);
+    out << SummaryToJson(*summary, extra);
+    if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write ", path)));
+  }
+  return 0;
+}

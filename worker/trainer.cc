@@ -1,0 +1,304 @@
+#include "worker/trainer.h"
+
+#include <algorithm>
+#include <functional>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "common/process_stats.h"
+#include "common/status_macros.h"
+#include "worker/data/batcher.h"
+#include "worker/progress.h"
+
+namespace psflow::worker {
+namespace {
+
+double Seconds(absl::Time since) { return absl::ToDoubleSeconds(absl::Now() - since); }
+
+// One background thread running one job at a time: the push of a step's
+// gradient and the pull of fresh variables, while the next step computes.
+class CommThread {
+ public:
+  CommThread() : thread_([this] { Loop(); }) {}
+  ~CommThread() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+  void Start(std::function<absl::Status()> job) {
+    absl::MutexLock lock(&mu_);
+    job_ = std::move(job);
+    done_ = false;
+  }
+  // Waits for the job started last (OK if none) and returns its status.
+  absl::Status Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](CommThread* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu_) { return t->done_; }, this));
+    return status_;
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      std::function<absl::Status()> job;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](CommThread* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu_) {
+              return t->stop_ || t->job_ != nullptr;
+            },
+            this));
+        if (job_ == nullptr) return;  // stopping, nothing queued
+        job = std::move(job_);
+        job_ = nullptr;
+      }
+      absl::Status status = job();
+      absl::MutexLock lock(&mu_);
+      status_ = status;
+      done_ = true;
+    }
+  }
+
+  absl::Mutex mu_;
+  std::function<absl::Status()> job_ ABSL_GUARDED_BY(mu_);
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = true;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
+struct Buffers {
+  std::vector<std::vector<float>> data;
+  std::vector<float*> ptrs;
+  std::vector<const float*> cptrs;
+  explicit Buffers(const ModelDef& model) {
+    for (const auto& v : model.variables) data.emplace_back(v.num_elements(), 0.0f);
+    for (auto& d : data) {
+      ptrs.push_back(d.data());
+      cptrs.push_back(d.data());
+    }
+  }
+};
+
+void AppendNumber(std::string* out, const char* key, double value, bool comma = true) {
+  absl::StrAppendFormat(out, "\"%s\": %.6g%s", key, value, comma ? ", " : "");
+}
+
+}  // namespace
+
+absl::Status Evaluate(ComputeBackend* backend, absl::Span<const float* const> params,
+                      const Dataset& data, int batch_size, double* loss, double* accuracy) {
+  std::vector<float> images(static_cast<size_t>(batch_size) * data.example_size());
+  std::vector<int32_t> labels(batch_size);
+  StepResult result;
+  int64_t seen = 0;
+  for (int64_t begin = 0; begin < data.num_examples; begin += batch_size) {
+    const int n = FillBatch(data, begin, batch_size, images.data(), labels.data());
+    PSFLOW_RETURN_IF_ERROR(backend->Evaluate(params, images.data(), labels.data(), n, &result));
+    seen += n;
+  }
+  if (seen == 0) return absl::InvalidArgumentError(absl::StrCat(data.name, " has no examples"));
+  *loss = result.loss_sum / seen;
+  *accuracy = static_cast<double>(result.correct) / seen;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backend,
+                                   PsClient* client, const Dataset& train, const Dataset& test,
+                                   const TrainerOptions& options) {
+  const Shape3 want = model.input;
+  if (train.height != want.h || train.width != want.w || train.channels != want.c) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %dx%dx%d examples but the model expects %dx%dx%d", train.name, train.height,
+        train.width, train.channels, want.h, want.w, want.c));
+  }
+  if (train.num_classes > model.num_classes) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %d classes but the model's last layer has %d units", train.name,
+        train.num_classes, model.num_classes));
+  }
+  const absl::Time start = absl::Now();
+  TrainSummary summary;
+  Progress progress(options.progress, options.progress_tty,
+                    options.num_replicas > 1 ? absl::StrCat("[worker ", options.replica_index, "] ")
+                                             : "");
+
+  // Variables: the chief registers its initial values; the others wait.
+  Buffers params[2] = {Buffers(model), Buffers(model)};
+  Buffers grads[2] = {Buffers(model), Buffers(model)};
+  if (options.is_chief) {
+    std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
+    std::vector<const float*> init_ptrs;
+    for (const auto& v : init) init_ptrs.push_back(v.data());
+    PSFLOW_RETURN_IF_ERROR(client->Register(init_ptrs));
+  } else {
+    PSFLOW_RETURN_IF_ERROR(client->WaitForVariables(options.wait_for_variables));
+  }
+  PullResult read;
+  {
+    const absl::Time t = absl::Now();
+    PSFLOW_ASSIGN_OR_RETURN(read, client->Pull(params[0].ptrs));
+    summary.pull_s += Seconds(t);
+  }
+  params[1].data = params[0].data;  // same values, own storage
+  for (size_t i = 0; i < params[1].data.size(); ++i) {
+    params[1].ptrs[i] = params[1].data[i].data();
+    params[1].cptrs[i] = params[1].data[i].data();
+  }
+
+  BatcherOptions batcher_options;
+  batcher_options.batch_size = options.batch_size;
+  batcher_options.num_shards = options.num_replicas;
+  batcher_options.shard_index = options.replica_index;
+  batcher_options.seed = options.seed;
+  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
+                          Batcher::Create(&train, batcher_options));
+
+  CommThread comm;
+  double push_s = 0, pull_s = 0;  // written by the comm thread between Start and Wait
+  int64_t read_version = read.max_version;
+  // Pushes grads[g] and pulls into params[p].
+  auto communicate = [&](int g, int p, int64_t step) -> absl::Status {
+    absl::Time t = absl::Now();
+    PSFLOW_RETURN_IF_ERROR(client->Push(grads[g].cptrs, {step, read_version}));
+    push_s += Seconds(t);
+    t = absl::Now();
+    PSFLOW_ASSIGN_OR_RETURN(PullResult r, client->Pull(params[p].ptrs));
+    pull_s += Seconds(t);
+    read_version = r.max_version;
+    return absl::OkStatus();
+  };
+
+  int64_t step = 0;
+  bool capped = false;
+  for (int epoch = 0; epoch < options.epochs && !capped; ++epoch) {
+    const absl::Time epoch_start = absl::Now();
+    progress.StartEpoch(epoch + 1, options.epochs, batcher->batches_per_epoch());
+    StepResult totals;
+    int64_t seen = 0, epoch_steps = 0;
+    while (true) {
+      if (options.train_steps > 0 && step >= options.train_steps) {
+        capped = true;
+        break;
+      }
+      absl::Time t = absl::Now();
+      const Batch* batch = batcher->Next(epoch);
+      summary.wait_data_s += Seconds(t);
+      if (batch == nullptr) break;
+      const int cur = options.overlap ? static_cast<int>(step % 2) : 0;
+      t = absl::Now();
+      PSFLOW_RETURN_IF_ERROR(backend->TrainStep(params[cur].cptrs, batch->images, batch->labels,
+                                                batch->size, grads[cur].ptrs, &totals));
+      summary.compute_s += Seconds(t);
+      t = absl::Now();
+      PSFLOW_RETURN_IF_ERROR(comm.Wait());  // the previous step's push and pull
+      summary.wait_comm_s += Seconds(t);
+      // Push this gradient; pull into the buffer this step used. The next
+      // step uses the other buffer, which the previous job filled.
+      comm.Start([&, cur, s = step] { return communicate(cur, cur, s); });
+      if (!options.overlap) {
+        t = absl::Now();
+        PSFLOW_RETURN_IF_ERROR(comm.Wait());
+        summary.wait_comm_s += Seconds(t);
+      }
+      ++step;
+      ++epoch_steps;
+      seen += batch->size;
+      progress.Update(epoch_steps, totals.loss_sum / seen,
+                      static_cast<double>(totals.correct) / seen, seen);
+    }
+    absl::Time t = absl::Now();
+    PSFLOW_RETURN_IF_ERROR(comm.Wait());
+    summary.wait_comm_s += Seconds(t);
+
+    EpochSummary e;
+    e.epoch = epoch + 1;
+    e.steps = epoch_steps;
+    e.train_loss = seen > 0 ? totals.loss_sum / seen : 0;
+    e.train_accuracy = seen > 0 ? static_cast<double>(totals.correct) / seen : 0;
+    summary.examples += seen;
+    const bool last = capped || epoch + 1 == options.epochs;
+    std::string extra;
+    if (options.is_chief || last) {
+      t = absl::Now();
+      // Evaluate the newest variables of the whole job.
+      PSFLOW_RETURN_IF_ERROR(client->Pull(params[0].ptrs).status());
+      summary.pull_s += Seconds(t);
+      t = absl::Now();
+      PSFLOW_RETURN_IF_ERROR(Evaluate(backend, params[0].cptrs, test, options.batch_size,
+                                      &e.test_loss, &e.test_accuracy));
+      summary.eval_s += Seconds(t);
+      extra = absl::StrFormat(" - test_loss: %.4f - test_accuracy: %.4f", e.test_loss,
+                              e.test_accuracy);
+      // The other buffer must hold values of the same age for the next step.
+      for (size_t i = 0; i < params[1].data.size(); ++i) {
+        std::copy(params[0].data[i].begin(), params[0].data[i].end(), params[1].data[i].begin());
+      }
+    }
+    e.seconds = Seconds(epoch_start);
+    e.resident_bytes = ResidentBytes();
+    progress.EndEpoch(extra);
+    summary.epochs.push_back(e);
+  }
+  summary.steps = step;
+  summary.push_s = push_s;
+  summary.pull_s += pull_s;
+  summary.wall_seconds = Seconds(start);
+  const double train_seconds = summary.wall_seconds - summary.eval_s;
+  summary.examples_per_sec = train_seconds > 0 ? summary.examples / train_seconds : 0;
+  if (!summary.epochs.empty()) {
+    const EpochSummary& last = summary.epochs.back();
+    summary.train_loss = last.train_loss;
+    summary.train_accuracy = last.train_accuracy;
+    summary.test_loss = last.test_loss;
+    summary.test_accuracy = last.test_accuracy;
+  }
+  summary.resident_bytes = ResidentBytes();
+  summary.peak_resident_bytes = PeakResidentBytes();
+  return summary;
+}
+
+std::string SummaryToJson(const TrainSummary& s, const std::string& extra) {
+  std::string out = "{";
+  if (!extra.empty()) absl::StrAppend(&out, extra, ", ");
+  AppendNumber(&out, "test_accuracy", s.test_accuracy);
+  AppendNumber(&out, "test_loss", s.test_loss);
+  AppendNumber(&out, "train_accuracy", s.train_accuracy);
+  AppendNumber(&out, "train_loss", s.train_loss);
+  AppendNumber(&out, "steps", static_cast<double>(s.steps));
+  AppendNumber(&out, "examples", static_cast<double>(s.examples));
+  AppendNumber(&out, "examples_per_sec", s.examples_per_sec);
+  AppendNumber(&out, "wall_seconds", s.wall_seconds);
+  AppendNumber(&out, "resident_bytes", static_cast<double>(s.resident_bytes));
+  AppendNumber(&out, "peak_resident_bytes", static_cast<double>(s.peak_resident_bytes));
+  out += "\"phases\": {";
+  AppendNumber(&out, "wait_data_s", s.wait_data_s);
+  AppendNumber(&out, "compute_s", s.compute_s);
+  AppendNumber(&out, "wait_comm_s", s.wait_comm_s);
+  AppendNumber(&out, "push_s", s.push_s);
+  AppendNumber(&out, "pull_s", s.pull_s);
+  AppendNumber(&out, "eval_s", s.eval_s, false);
+  out += "}, \"epochs\": [";
+  for (size_t i = 0; i < s.epochs.size(); ++i) {
+    const EpochSummary& e = s.epochs[i];
+    out += "{";
+    AppendNumber(&out, "epoch", e.epoch);
+    AppendNumber(&out, "steps", static_cast<double>(e.steps));
+    AppendNumber(&out, "train_loss", e.train_loss);
+    AppendNumber(&out, "train_accuracy", e.train_accuracy);
+    AppendNumber(&out, "test_loss", e.test_loss);
+    AppendNumber(&out, "test_accuracy", e.test_accuracy);
+    AppendNumber(&out, "seconds", e.seconds);
+    AppendNumber(&out, "resident_bytes", static_cast<double>(e.resident_bytes), false);
+    out += i + 1 < s.epochs.size() ? "}, " : "}";
+  }
+  out += "]}\n";
+  return out;
+}
+
+}  // namespace psflow::worker
