@@ -1,0 +1,169 @@
+// Multi-process test of the real binaries: 2 ps_server + 2 worker processes
+// configured only through TF_CONFIG (as Kubeflow's TFJob does), training the
+// seed model on Debian's Fashion-MNIST for a few hundred steps.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace {
+
+int FreePort() {
+  int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in in{};
+  in.sin_family = AF_INET;
+  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(s, reinterpret_cast<sockaddr*>(&in), sizeof(in));
+  socklen_t len = sizeof(in);
+  ::getsockname(s, reinterpret_cast<sockaddr*>(&in), &len);
+  const int port = ntohs(in.sin_port);
+  ::close(s);
+  return port;
+}
+
+// Starts `argv` with TF_CONFIG set and stdout/stderr to `log`.
+pid_t Spawn(const std::vector<std::string>& argv, const std::string& tf_config,
+            const std::string& log) {
+  std::vector<std::string> env_strings = {"TF_CONFIG=" + tf_config};
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (std::string(*e).rfind("TF_CONFIG=", 0) != 0) env_strings.push_back(*e);
+  }
+  std::vector<char*> envp, args;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> argv_copy = argv;
+  for (auto& a : argv_copy) args.push_back(a.data());
+  args.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  return rc == 0 ? pid : -1;
+}
+
+// Waits up to `timeout` for `pid`; returns its exit code, or -1 (and kills
+// it) on timeout or abnormal end.
+int WaitFor(pid_t pid, std::chrono::seconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return -1;
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+double JsonNumber(const std::string& json, const std::string& key) {
+  const std::string needle = "\"" + key + "\": ";
+  const size_t at = json.find(needle);
+  if (at == std::string::npos) return -1e300;
+  return std::strtod(json.c_str() + at + needle.size(), nullptr);
+}
+
+TEST(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
+  struct stat st;
+  ASSERT_EQ(::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st), 0)
+      << "Fashion-MNIST is missing: install Debian's dataset-fashion-mnist (deploy/setup.sh)";
+  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+
+  std::vector<std::string> ps, workers;
+  for (int i = 0; i < 2; ++i) ps.push_back(absl::StrCat("\"localhost:", FreePort(), "\""));
+  for (int i = 0; i < 2; ++i) workers.push_back(absl::StrCat("\"localhost:", FreePort(), "\""));
+  const std::string cluster = absl::StrCat("{\"ps\": [", absl::StrJoin(ps, ", "),
+                                           "], \"worker\": [", absl::StrJoin(workers, ", "), "]}");
+  auto tf_config = [&](const char* type, int index) {
+    return absl::StrCat("{\"cluster\": ", cluster, ", \"task\": {\"type\": \"", type,
+                        "\", \"index\": ", index, "}, \"environment\": \"cloud\"}");
+  };
+
+  std::vector<pid_t> ps_pids;
+  for (int i = 0; i < 2; ++i) {
+    ps_pids.push_back(Spawn({PSFLOW_PS_SERVER_BIN}, tf_config("ps", i),
+                            absl::StrCat(dir, "/ps-", i, ".log")));
+    ASSERT_GT(ps_pids.back(), 0);
+  }
+  std::vector<pid_t> worker_pids;
+  for (int i = 0; i < 2; ++i) {
+    worker_pids.push_back(Spawn({PSFLOW_WORKER_BIN, "--train_steps=150", "--epochs=1",
+                                 "--threads=1", "--device=cpu",
+                                 absl::StrCat("--summary_json=", dir, "/worker-", i, ".json")},
+                                tf_config("worker", i), absl::StrCat(dir, "/worker-", i, ".log")));
+    ASSERT_GT(worker_pids.back(), 0);
+  }
+  std::vector<int> codes;
+  for (pid_t p : worker_pids) codes.push_back(WaitFor(p, std::chrono::seconds(240)));
+  for (pid_t p : ps_pids) ::kill(p, SIGTERM);
+  std::vector<int> ps_codes;
+  for (pid_t p : ps_pids) ps_codes.push_back(WaitFor(p, std::chrono::seconds(20)));
+
+  for (int i = 0; i < 2; ++i) {
+    const std::string log = ReadFile(absl::StrCat(dir, "/worker-", i, ".log"));
+    EXPECT_EQ(codes[i], 0) << "worker " << i << " log:\n" << log;
+    const std::string json = ReadFile(absl::StrCat(dir, "/worker-", i, ".json"));
+    ASSERT_FALSE(json.empty()) << "worker " << i << " wrote no summary; log:\n" << log;
+    for (const char* key : {"test_accuracy", "test_loss", "steps", "examples_per_sec",
+                            "wall_seconds", "compute_s", "push_s", "pull_s", "resident_bytes"}) {
+      EXPECT_GT(JsonNumber(json, key), -1e299) << key << " missing in " << json;
+    }
+    EXPECT_EQ(JsonNumber(json, "steps"), 150);
+    // 150 steps of Adam on the seed model are far above chance (0.1).
+    EXPECT_GT(JsonNumber(json, "test_accuracy"), 0.6) << json;
+  }
+  EXPECT_THAT(ReadFile(dir + "/worker-0.log"), ::testing::HasSubstr("(chief)"));
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(ps_codes[i], 0) << ReadFile(absl::StrCat(dir, "/ps-", i, ".log"));
+    EXPECT_THAT(ReadFile(absl::StrCat(dir, "/ps-", i, ".log")),
+                ::testing::HasSubstr(absl::StrCat("shard ", i, " of 2")));
+  }
+}
+
+// A malformed TF_CONFIG is refused with a message naming the key; nothing runs.
+TEST(MultiProcessTest, MalformedTfConfigIsAClearError) {
+  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string log = dir + "/ps.log";
+  pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN},
+                    "{\"cluster\": {\"ps\": [\"localhost:1\"]}, \"task\": {\"type\": \"ps\", "
+                    "\"index\": 4}}",
+                    log);
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 1);
+  EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("task.index"));
+}
+
+}  // namespace
