@@ -1,0 +1,238 @@
+// VariableStore without RPC: registration, the exactly-once ledger, reads
+// and the errors each names.
+#include "ps_server/variable_store.h"
+
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace psflow::server {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<VariableStore> SgdStore(int shard = 0, int shards = 1, int ledger = 8192) {
+  VariableStoreOptions options;
+  options.shard_index = shard;
+  options.num_shards = shards;
+  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
+  options.optimizer.learning_rate = 1.0f;
+  options.request_ledger_size = ledger;
+  auto store = VariableStore::Create(options);
+  EXPECT_TRUE(store.ok()) << store.status();
+  return std::move(*store);
+}
+
+PartDefinition Def(const std::string& name, std::vector<int64_t> shape, int64_t rb, int64_t re) {
+  PartDefinition d;
+  d.variable = name;
+  d.variable_shape = std::move(shape);
+  d.row_begin = rb;
+  d.row_end = re;
+  return d;
+}
+
+void RegisterFilled(VariableStore* store, const PartDefinition& def, float value,
+                    uint64_t fingerprint = 7) {
+  auto reg = store->BeginRegistration(fingerprint, store->options().num_shards,
+                                      store->options().shard_index, {def});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  std::vector<float> values(def.num_elements(), value);
+  ASSERT_TRUE((*reg)->AddValues(def.variable, 0, values.data(), values.size()).ok());
+  ASSERT_TRUE((*reg)->Commit().ok());
+}
+
+std::vector<float> ReadAll(VariableStore* store, const std::string& name, int64_t n) {
+  std::vector<float> out(n, -99);
+  EXPECT_TRUE(store->Read(name, 0, n, out.data()).ok());
+  return out;
+}
+
+TEST(VariableStoreTest, PartOfARowRangeHasRowsTimesRowElements) {
+  EXPECT_EQ(Def("w", {10, 3, 2}, 4, 7).num_elements(), 3 * 3 * 2);
+  EXPECT_EQ(Def("s", {}, 0, 1).num_elements(), 1);
+}
+
+TEST(VariableStoreTest, RegistrationBecomesVisibleOnlyAtCommit) {
+  auto store = SgdStore();
+  auto reg = store->BeginRegistration(7, 1, 0, {Def("w", {4}, 0, 4)});
+  ASSERT_TRUE(reg.ok());
+  const float v[4] = {1, 2, 3, 4};
+  ASSERT_TRUE((*reg)->AddValues("w", 0, v, 4).ok());
+  EXPECT_EQ(store->GetPart("w").status().code(), absl::StatusCode::kNotFound);
+  auto result = (*reg)->Commit();
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result->parts_created, 1);
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::ElementsAre(1, 2, 3, 4));
+  EXPECT_EQ(store->plan_fingerprint(), 7u);
+}
+
+TEST(VariableStoreTest, IncompleteRegistrationRegistersNothing) {
+  auto store = SgdStore();
+  auto reg = store->BeginRegistration(7, 1, 0, {Def("w", {4}, 0, 4), Def("b", {2}, 0, 2)});
+  ASSERT_TRUE(reg.ok());
+  const float v[4] = {1, 2, 3, 4};
+  ASSERT_TRUE((*reg)->AddValues("w", 0, v, 4).ok());
+  ASSERT_TRUE((*reg)->AddValues("b", 0, v, 1).ok());
+  auto result = (*reg)->Commit();
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(result.status().message(), HasSubstr("'b'"));
+  EXPECT_THAT(result.status().message(), HasSubstr("1 of 2"));
+  EXPECT_TRUE(store->ListParts().empty());
+}
+
+TEST(VariableStoreTest, ReRegistrationKeepsValuesAndConflictsAreRefused) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {4, 2}, 0, 4), 1.0f);
+  RegisterFilled(store.get(), Def("w", {4, 2}, 0, 4), 5.0f);  // kept
+  EXPECT_THAT(ReadAll(store.get(), "w", 8), ::testing::Each(1.0f));
+
+  auto other_shape = store->BeginRegistration(7, 1, 0, {Def("w", {2, 4}, 0, 2)});
+  EXPECT_EQ(other_shape.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other_shape.status().message(), HasSubstr("[4,2]"));
+  EXPECT_THAT(other_shape.status().message(), HasSubstr("[2,4]"));
+  auto other_rows = store->BeginRegistration(7, 1, 0, {Def("w", {4, 2}, 0, 2)});
+  EXPECT_EQ(other_rows.status().code(), absl::StatusCode::kFailedPrecondition);
+  auto other_plan = store->BeginRegistration(8, 1, 0, {Def("w", {4, 2}, 0, 4)});
+  EXPECT_EQ(other_plan.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(other_plan.status().message(), HasSubstr("plan"));
+}
+
+TEST(VariableStoreTest, BadDefinitionsAreInvalidArgument) {
+  auto store = SgdStore();
+  EXPECT_EQ(store->BeginRegistration(7, 1, 0, {Def("", {4}, 0, 4)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->BeginRegistration(7, 1, 0, {Def("w", {0, 4}, 0, 1)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->BeginRegistration(7, 1, 0, {Def("w", {4}, 2, 6)}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      store->BeginRegistration(7, 1, 0, {Def("w", {4}, 0, 4), Def("w", {4}, 0, 4)}).status().code(),
+      absl::StatusCode::kInvalidArgument);
+  auto wrong_shard = store->BeginRegistration(7, 2, 1, {Def("w", {4}, 0, 4)});
+  EXPECT_EQ(wrong_shard.status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(VariableStoreTest, PushAppliesTheOptimizerAndCountsVersions) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {4}, 0, 4), 1.0f);
+  const float g[4] = {0.5f, -1, 2, 0};
+  auto push = store->BeginPush({1, 1, 0, 11});
+  ASSERT_TRUE(push->Apply("w", 0, g, 2).ok());
+  ASSERT_TRUE(push->Apply("w", 2, g + 2, 2).ok());  // same push, next segment
+  push->Finish(absl::OkStatus());
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::ElementsAre(0.5f, 2.0f, -1.0f, 1.0f));
+  EXPECT_EQ(store->GetPart("w")->version, 1);  // one push, one version
+  EXPECT_EQ(push->elements_applied(), 4);
+  EXPECT_EQ(store->stats().pushes, 1);
+}
+
+TEST(VariableStoreTest, SameRequestIdIsAppliedOnceAcrossSessions) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {4}, 0, 4), 0.0f);
+  const float g[4] = {1, 1, 1, 1};
+  {
+    auto first = store->BeginPush({1, 1, 0, 99});
+    ASSERT_TRUE(first->Apply("w", 0, g, 2).ok());  // then the stream "breaks"
+    first->Finish(absl::CancelledError("broken"));
+  }
+  auto retry = store->BeginPush({1, 1, 0, 99});
+  ASSERT_TRUE(retry->Apply("w", 0, g, 2).ok());  // skipped
+  ASSERT_TRUE(retry->Apply("w", 2, g + 2, 2).ok());
+  EXPECT_EQ(retry->elements_skipped(), 2);
+  EXPECT_EQ(retry->elements_applied(), 2);
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::Each(-1.0f));
+  EXPECT_EQ(store->GetPart("w")->version, 1);  // the retry kept the step
+  EXPECT_EQ(store->stats().duplicate_elements, 2);
+  EXPECT_EQ(store->stats().rejected_requests, 1);
+}
+
+TEST(VariableStoreTest, LedgerForgetsTheOldestIds) {
+  auto store = SgdStore(0, 1, /*ledger=*/2);
+  RegisterFilled(store.get(), Def("w", {1}, 0, 1), 0.0f);
+  const float g = 1;
+  for (uint64_t id : {1, 2, 3}) {
+    auto p = store->BeginPush({0, 0, 0, id});
+    ASSERT_TRUE(p->Apply("w", 0, &g, 1).ok());
+  }
+  // Id 1 was evicted: it is a new push again. Id 3 is still remembered.
+  auto again1 = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(again1->Apply("w", 0, &g, 1).ok());
+  EXPECT_EQ(again1->elements_applied(), 1);
+  auto again3 = store->BeginPush({0, 0, 0, 3});
+  ASSERT_TRUE(again3->Apply("w", 0, &g, 1).ok());
+  EXPECT_EQ(again3->elements_skipped(), 1);
+  EXPECT_THAT(ReadAll(store.get(), "w", 1), ::testing::ElementsAre(-4.0f));
+}
+
+TEST(VariableStoreTest, BadSegmentsChangeNothing) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {4}, 0, 4), 2.0f);
+  const float g[5] = {1, 1, 1, 1, 1};
+  const float nan[1] = {std::numeric_limits<float>::quiet_NaN()};
+  auto push = store->BeginPush({0, 0, 0, 5});
+  absl::Status unknown = push->Apply("v", 0, g, 1);
+  EXPECT_EQ(unknown.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(unknown.message(), HasSubstr("holds w"));
+  absl::Status too_long = push->Apply("w", 0, g, 5);
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(too_long.message(), HasSubstr("4 elements"));
+  EXPECT_EQ(push->Apply("w", 0, nan, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(push->Apply("w", 1, g, 1).code(), absl::StatusCode::kInvalidArgument);  // gap
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::Each(2.0f));
+  EXPECT_EQ(store->GetPart("w")->version, 0);
+  std::vector<float> out(2);
+  EXPECT_EQ(store->Read("w", 3, 2, out.data()).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(VariableStoreTest, NonFiniteGradientsCanBeAllowed) {
+  VariableStoreOptions options;
+  options.allow_non_finite_gradients = true;
+  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
+  auto store = VariableStore::Create(options);
+  ASSERT_TRUE(store.ok());
+  RegisterFilled(store->get(), Def("w", {1}, 0, 1), 0.0f);
+  const float inf = std::numeric_limits<float>::infinity();
+  auto push = (*store)->BeginPush({0, 0, 0, 1});
+  EXPECT_TRUE(push->Apply("w", 0, &inf, 1).ok());
+  EXPECT_TRUE(std::isinf(ReadAll(store->get(), "w", 1)[0]));
+}
+
+TEST(VariableStoreTest, ConcurrentPushesToDifferentPartsAndTheSamePart) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("a", {1000}, 0, 1000), 0.0f);
+  RegisterFilled(store.get(), Def("b", {1000}, 0, 1000), 0.0f);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<float> g(1000, 1.0f);
+      for (int k = 0; k < 100; ++k) {
+        auto p = store->BeginPush({t, k, 0, static_cast<uint64_t>(t * 1000 + k + 1)});
+        ASSERT_TRUE(p->Apply("a", 0, g.data(), 1000).ok());
+        ASSERT_TRUE(p->Apply("b", 0, g.data(), 1000).ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_THAT(ReadAll(store.get(), "a", 1000), ::testing::Each(-400.0f));
+  EXPECT_THAT(ReadAll(store.get(), "b", 1000), ::testing::Each(-400.0f));
+  EXPECT_EQ(store->GetPart("a")->version, 400);
+}
+
+TEST(VariableStoreTest, CreateValidatesOptions) {
+  VariableStoreOptions options;
+  options.shard_index = 2;
+  options.num_shards = 2;
+  EXPECT_EQ(VariableStore::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.shard_index = 0;
+  options.optimizer.learning_rate = -1;
+  EXPECT_EQ(VariableStore::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace psflow::server
