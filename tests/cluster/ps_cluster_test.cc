@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "absl/synchronization/notification.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
@@ -569,6 +571,33 @@ TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
   EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(pulled.status().message(), HasSubstr("ps shard 0 (127.0.0.1:1)"));
   EXPECT_THAT(pulled.status().message(), HasSubstr("3 attempts"));
+}
+
+// Kubernetes probes use gRPC's standard health service.
+TEST_F(PsClusterTest, HealthServiceReportsServing) {
+  StartCluster(1);
+  grpc::GenericStub stub(
+      grpc::CreateChannel(addresses_[0], grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  grpc::ByteBuffer request;  // HealthCheckRequest{service: ""} encodes to no bytes
+  grpc::Slice empty;
+  request = grpc::ByteBuffer(&empty, 1);
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  absl::Notification done;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request,
+                 &response, [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  std::vector<grpc::Slice> slices;
+  ASSERT_TRUE(response.Dump(&slices).ok());
+  std::string bytes;
+  for (const auto& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+  // HealthCheckResponse{status: SERVING (1)}: field 1, varint 1.
+  EXPECT_EQ(bytes, std::string("\x08\x01", 2));
 }
 
 }  // namespace
