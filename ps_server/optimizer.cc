@@ -1,0 +1,222 @@
+#include "ps_server/optimizer.h"
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+
+namespace psflow::server {
+namespace {
+
+// Each kernel is compiled three times (AVX-512, x86-64-v3 = AVX2+FMA, and
+// baseline SSE2); the dynamic loader picks the best clone for the CPU it runs
+// on, so the binary needs no -march flag. The loops are plain so that GCC
+// vectorizes them (-O3; -fno-math-errno lets std::sqrt become vsqrtps); the
+// __restrict qualifiers tell it the arrays do not overlap. They are memory
+// bound: each element is read once and written once.
+#define PSFLOW_KERNEL_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+
+PSFLOW_KERNEL_CLONES
+void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
+                const float* __restrict g, int64_t n, float alpha, float one_minus_beta_1,
+                float one_minus_beta_2, float epsilon) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = m[i] + (gi - m[i]) * one_minus_beta_1;
+    const float vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);
+  }
+}
+
+PSFLOW_KERNEL_CLONES
+void SgdKernel(float* __restrict p, const float* __restrict g, int64_t n, float lr) {
+  for (int64_t i = 0; i < n; ++i) p[i] -= lr * g[i];
+}
+
+PSFLOW_KERNEL_CLONES
+void SgdMomentumKernel(float* __restrict p, float* __restrict m, const float* __restrict g,
+                       int64_t n, float lr, float momentum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float mi = momentum * m[i] - lr * g[i];
+    m[i] = mi;
+    p[i] += mi;
+  }
+}
+
+PSFLOW_KERNEL_CLONES
+void SgdNesterovKernel(float* __restrict p, float* __restrict m, const float* __restrict g,
+                       int64_t n, float lr, float momentum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float mi = momentum * m[i] - lr * gi;
+    m[i] = mi;
+    p[i] += momentum * mi - lr * gi;
+  }
+}
+
+PSFLOW_KERNEL_CLONES
+void AdagradKernel(float* __restrict p, float* __restrict acc, const float* __restrict g,
+                   int64_t n, float lr, float epsilon) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = g[i];
+    const float ai = acc[i] + gi * gi;
+    acc[i] = ai;
+    p[i] -= (lr * gi) / std::sqrt(ai + epsilon);
+  }
+}
+
+#undef PSFLOW_KERNEL_CLONES
+
+class Adam final : public Optimizer {
+ public:
+  explicit Adam(const OptimizerOptions& o) : o_(o) {}
+  int num_slots() const override { return 2; }
+  float slot_initial_value(int) const override { return 0.0f; }
+  std::string DebugString() const override {
+    return absl::StrFormat("adam(learning_rate=%g, beta_1=%g, beta_2=%g, epsilon=%g)",
+                           o_.learning_rate, o_.beta_1, o_.beta_2, o_.epsilon);
+  }
+  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+             int64_t n) const override {
+    // Bias correction folded into the step size, as Keras does; in double
+    // so that 1 - beta^t keeps its digits for large t.
+    const double t = static_cast<double>(step);
+    const double alpha = static_cast<double>(o_.learning_rate) *
+                         std::sqrt(1.0 - std::pow(static_cast<double>(o_.beta_2), t)) /
+                         (1.0 - std::pow(static_cast<double>(o_.beta_1), t));
+    AdamKernel(param, slots[0], slots[1], grad, n, static_cast<float>(alpha),
+               static_cast<float>(1.0 - o_.beta_1), static_cast<float>(1.0 - o_.beta_2),
+               o_.epsilon);
+  }
+
+ private:
+  const OptimizerOptions o_;
+};
+
+class Sgd final : public Optimizer {
+ public:
+  explicit Sgd(const OptimizerOptions& o) : o_(o) {}
+  int num_slots() const override { return o_.momentum > 0.0f ? 1 : 0; }
+  float slot_initial_value(int) const override { return 0.0f; }
+  std::string DebugString() const override {
+    return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s)", o_.learning_rate,
+                           o_.momentum, o_.nesterov ? "true" : "false");
+  }
+  void Apply(int64_t, float* param, float* const* slots, const float* grad,
+             int64_t n) const override {
+    if (o_.momentum == 0.0f) {
+      // Keras skips the momentum slot entirely here, nesterov or not.
+      SgdKernel(param, grad, n, o_.learning_rate);
+    } else if (o_.nesterov) {
+      SgdNesterovKernel(param, slots[0], grad, n, o_.learning_rate, o_.momentum);
+    } else {
+      SgdMomentumKernel(param, slots[0], grad, n, o_.learning_rate, o_.momentum);
+    }
+  }
+
+ private:
+  const OptimizerOptions o_;
+};
+
+class Adagrad final : public Optimizer {
+ public:
+  explicit Adagrad(const OptimizerOptions& o) : o_(o) {}
+  int num_slots() const override { return 1; }
+  float slot_initial_value(int) const override { return o_.initial_accumulator_value; }
+  std::string DebugString() const override {
+    return absl::StrFormat("adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g)",
+                           o_.learning_rate, o_.initial_accumulator_value, o_.epsilon);
+  }
+  void Apply(int64_t, float* param, float* const* slots, const float* grad,
+             int64_t n) const override {
+    AdagradKernel(param, slots[0], grad, n, o_.learning_rate, o_.epsilon);
+  }
+
+ private:
+  const OptimizerOptions o_;
+};
+
+// The comparisons are written so that NaN fails them.
+absl::Status CheckPositive(const char* field, float value) {
+  if (std::isfinite(value) && value > 0.0f) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "optimizer option %s must be finite and > 0, got %g", field, value));
+}
+
+absl::Status CheckNonNegative(const char* field, float value) {
+  if (std::isfinite(value) && value >= 0.0f) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "optimizer option %s must be finite and >= 0, got %g", field, value));
+}
+
+absl::Status CheckUnitInterval(const char* field, float value) {
+  if (value >= 0.0f && value < 1.0f) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("optimizer option %s must be in [0, 1), got %g", field, value));
+}
+
+absl::Status Validate(const OptimizerOptions& o) {
+  if (absl::Status s = CheckPositive("learning_rate", o.learning_rate); !s.ok()) return s;
+  switch (o.kind) {
+    case OptimizerOptions::Kind::kAdam:
+      if (absl::Status s = CheckUnitInterval("beta_1", o.beta_1); !s.ok()) return s;
+      if (absl::Status s = CheckUnitInterval("beta_2", o.beta_2); !s.ok()) return s;
+      return CheckPositive("epsilon", o.epsilon);
+    case OptimizerOptions::Kind::kSgd:
+      return CheckUnitInterval("momentum", o.momentum);
+    case OptimizerOptions::Kind::kAdagrad:
+      if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
+      return CheckNonNegative("initial_accumulator_value", o.initial_accumulator_value);
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "optimizer option kind has unknown value ", static_cast<int>(o.kind)));
+}
+
+}  // namespace
+
+absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name) {
+  if (name == "adam") return OptimizerOptions::Kind::kAdam;
+  if (name == "sgd") return OptimizerOptions::Kind::kSgd;
+  if (name == "adagrad") return OptimizerOptions::Kind::kAdagrad;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown optimizer \"", absl::string_view(name.data(), name.size()),
+      "\"; expected one of: adam, sgd, adagrad"));
+}
+
+std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {
+  switch (kind) {
+    case OptimizerOptions::Kind::kAdam:
+      return "adam";
+    case OptimizerOptions::Kind::kSgd:
+      return "sgd";
+    case OptimizerOptions::Kind::kAdagrad:
+      return "adagrad";
+  }
+  return "unknown";
+}
+
+Optimizer::~Optimizer() = default;
+
+absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerOptions& options) {
+  if (absl::Status s = Validate(options); !s.ok()) return s;
+  switch (options.kind) {
+    case OptimizerOptions::Kind::kAdam:
+      return std::make_unique<Adam>(options);
+    case OptimizerOptions::Kind::kSgd:
+      return std::make_unique<Sgd>(options);
+    case OptimizerOptions::Kind::kAdagrad:
+      return std::make_unique<Adagrad>(options);
+  }
+  return absl::InternalError("unreachable optimizer kind");
+}
+
+}  // namespace psflow::server

@@ -1,0 +1,98 @@
+// Optimizer kernels the parameter server applies to incoming gradients.
+//
+// The update rules are exactly those of tf.keras.optimizers (Keras 2.11+ and
+// Keras 3) in float32:
+//
+//   Adam:    t = step, alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
+//            m += (g - m) * (1 - beta_1)
+//            v += (g * g - v) * (1 - beta_2)
+//            p -= alpha * m / (sqrt(v) + epsilon)
+//   SGD:     momentum == 0:  p -= lr * g
+//            otherwise:      m = momentum * m - lr * g
+//                            nesterov: p += momentum * m - lr * g
+//                            else:     p += m
+//   Adagrad: acc += g * g
+//            p -= lr * g / sqrt(acc + epsilon)
+//
+// The kernels are the PS's hot loop: each element is read and written once,
+// vectorized for AVX-512 / AVX2+FMA with a baseline x86-64 fallback chosen at
+// load time (GCC function multiversioning), so the binary stays portable.
+#ifndef PSFLOW_PS_SERVER_OPTIMIZER_H_
+#define PSFLOW_PS_SERVER_OPTIMIZER_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+
+namespace psflow::server {
+
+struct OptimizerOptions {
+  enum class Kind { kAdam, kSgd, kAdagrad };
+  // Which update rule. Only the fields that the kind uses are validated.
+  Kind kind = Kind::kAdam;
+  // Step size; all kinds. Must be finite and > 0.
+  float learning_rate = 0.001f;
+  // Adam's decay rates of the first and second moments, each in [0, 1).
+  float beta_1 = 0.9f, beta_2 = 0.999f;
+  // Added to the denominator; Adam and Adagrad. Must be finite and > 0.
+  float epsilon = 1e-7f;
+  // SGD momentum in [0, 1); 0 means plain SGD without a slot. Nesterov is
+  // accepted with momentum 0 (as Keras does) and then equals plain SGD.
+  float momentum = 0.0f;
+  bool nesterov = false;
+  // Adagrad's starting accumulator value; finite and >= 0.
+  float initial_accumulator_value = 0.1f;
+};
+
+// "adam", "sgd" or "adagrad" (exact, lower case). INVALID_ARGUMENT otherwise,
+// with a message listing the choices.
+absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name);
+
+// Returns the lower-case name ParseOptimizerKind accepts for `kind`.
+std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
+
+// An update rule with its hyper-parameters. The optimizer holds no per-element
+// state: the caller owns parameters and slots (one float array per slot, the
+// same length as the parameters, initialized to slot_initial_value(slot)).
+//
+// Thread safety: all methods are const and keep no mutable state, so any
+// number of threads may call Apply concurrently on disjoint element ranges.
+class Optimizer {
+ public:
+  // INVALID_ARGUMENT naming the bad field, its valid range and the value
+  // received.
+  static absl::StatusOr<std::unique_ptr<Optimizer>> Create(const OptimizerOptions& options);
+
+  virtual ~Optimizer();
+
+  // Number of slot arrays per parameter: Adam 2 (m, v); SGD 1 (momentum) if
+  // momentum > 0, else 0; Adagrad 1 (accumulator).
+  virtual int num_slots() const = 0;
+  // The value each element of slot `slot` must start at: Adagrad's
+  // initial_accumulator_value, 0 otherwise. 0 <= slot < num_slots().
+  virtual float slot_initial_value(int slot) const = 0;
+  // E.g. "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)".
+  virtual std::string DebugString() const = 0;
+
+  // Applies one update to `n` contiguous elements, in place.
+  //   step:  the 1-based count of this update on these elements (Adam's bias
+  //          correction uses it; must be >= 1 for Adam, ignored otherwise).
+  //   param: n floats, updated in place.
+  //   slots: num_slots() pointers, slots[i] -> n floats of slot i for the same
+  //          elements, updated in place (may be nullptr when num_slots() == 0).
+  //   grad:  n floats, read only; need not be aligned (e.g. straight out of a
+  //          received message).
+  // param, the slots and grad must not overlap. n may be 0.
+  virtual void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+                     int64_t n) const = 0;
+
+ protected:
+  Optimizer() = default;
+};
+
+}  // namespace psflow::server
+
+#endif  // PSFLOW_PS_SERVER_OPTIMIZER_H_

@@ -1,0 +1,380 @@
+// Checks the optimizer kernels against the tf.keras.optimizers formulas,
+// evaluated independently here in double precision, and by hand.
+#include "ps_server/optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace psflow::server {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using Kind = OptimizerOptions::Kind;
+
+std::unique_ptr<Optimizer> MustCreate(const OptimizerOptions& o) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(o);
+  EXPECT_TRUE(opt.ok()) << opt.status();
+  return opt.ok() ? *std::move(opt) : nullptr;
+}
+
+// ---- Double-precision references, written from the Keras formulas. ----
+
+using Reference = std::function<void(const OptimizerOptions&, int64_t step, std::vector<double>& p,
+                                     std::vector<std::vector<double>>& slots,
+                                     const std::vector<double>& g)>;
+
+void AdamReference(const OptimizerOptions& o, int64_t step, std::vector<double>& p,
+                   std::vector<std::vector<double>>& s, const std::vector<double>& g) {
+  const double b1 = o.beta_1, b2 = o.beta_2, t = static_cast<double>(step);
+  const double alpha = o.learning_rate * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t));
+  for (size_t i = 0; i < p.size(); ++i) {
+    s[0][i] += (g[i] - s[0][i]) * (1 - b1);
+    s[1][i] += (g[i] * g[i] - s[1][i]) * (1 - b2);
+    p[i] -= alpha * s[0][i] / (std::sqrt(s[1][i]) + o.epsilon);
+  }
+}
+
+void SgdReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
+                  std::vector<std::vector<double>>& s, const std::vector<double>& g) {
+  const double lr = o.learning_rate, mu = o.momentum;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (mu == 0) {
+      p[i] -= lr * g[i];
+      continue;
+    }
+    s[0][i] = mu * s[0][i] - lr * g[i];
+    p[i] += o.nesterov ? mu * s[0][i] - lr * g[i] : s[0][i];
+  }
+}
+
+void AdagradReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
+                      std::vector<std::vector<double>>& s, const std::vector<double>& g) {
+  for (size_t i = 0; i < p.size(); ++i) {
+    s[0][i] += g[i] * g[i];
+    p[i] -= o.learning_rate * g[i] / std::sqrt(s[0][i] + o.epsilon);
+  }
+}
+
+// |got - want| <= rel * max(|want|, 1% of the array's largest |want|): tight
+// relative error, without demanding it of elements that happen to be ~0.
+void ExpectAllNear(const float* got, const std::vector<double>& want, double rel,
+                   const std::string& what) {
+  double scale = 0;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  int failures = 0;
+  for (size_t i = 0; i < want.size() && failures < 5; ++i) {
+    const double tol = rel * std::max(std::abs(want[i]), 0.01 * scale);
+    if (std::abs(got[i] - want[i]) > tol) {
+      ADD_FAILURE() << what << "[" << i << "] = " << got[i] << ", want " << want[i]
+                    << " (tolerance " << tol << ")";
+      ++failures;
+    }
+  }
+}
+
+struct Case {
+  std::string name;
+  OptimizerOptions options;
+  Reference reference;
+  double grad_scale = 1.0;  // small gradients make epsilon matter
+};
+
+// Runs `steps` updates on `n` elements with fresh random gradients each step.
+// param and grad live at odd offsets into their buffers so that neither is
+// vector-aligned; the loop tails (n not a multiple of the width) are covered
+// by the sizes the tests pick.
+void RunAgainstReference(const Case& c, int64_t n, int steps, int64_t first_step = 1) {
+  SCOPED_TRACE(c.name + " n=" + std::to_string(n));
+  std::unique_ptr<Optimizer> opt = MustCreate(c.options);
+  ASSERT_NE(opt, nullptr);
+  std::mt19937 rng(static_cast<uint32_t>(n * 31 + steps));
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+
+  std::vector<float> param_buf(n + 3), grad_buf(n + 1);
+  float* param = param_buf.data() + 3;
+  float* grad = grad_buf.data() + 1;
+  std::vector<double> p_ref(n), g_ref(n);
+  for (int64_t i = 0; i < n; ++i) p_ref[i] = param[i] = uniform(rng);
+
+  const int k = opt->num_slots();
+  std::vector<std::vector<float>> slots(k, std::vector<float>(n));
+  std::vector<std::vector<double>> slots_ref(k, std::vector<double>(n));
+  std::vector<float*> slot_ptrs;
+  for (int s = 0; s < k; ++s) {
+    std::fill(slots[s].begin(), slots[s].end(), opt->slot_initial_value(s));
+    std::fill(slots_ref[s].begin(), slots_ref[s].end(), opt->slot_initial_value(s));
+    slot_ptrs.push_back(slots[s].data());
+  }
+
+  for (int64_t step = first_step; step < first_step + steps; ++step) {
+    for (int64_t i = 0; i < n; ++i) {
+      grad[i] = static_cast<float>(c.grad_scale) * uniform(rng);
+      g_ref[i] = grad[i];
+    }
+    opt->Apply(step, param, slot_ptrs.data(), grad, n);
+    c.reference(c.options, step, p_ref, slots_ref, g_ref);
+  }
+  ExpectAllNear(param, p_ref, 1e-5, "param");
+  for (int s = 0; s < k; ++s) ExpectAllNear(slots[s].data(), slots_ref[s], 1e-5, "slot");
+}
+
+std::vector<Case> AllCases() {
+  std::vector<Case> cases;
+  OptimizerOptions adam;  // Keras defaults
+  cases.push_back({"adam_default", adam, AdamReference});
+  OptimizerOptions adam2;
+  adam2.learning_rate = 0.01f;
+  adam2.beta_1 = 0.5f;
+  adam2.beta_2 = 0.9f;
+  adam2.epsilon = 1e-3f;  // comparable to sqrt(v): catches a misplaced epsilon
+  cases.push_back({"adam_custom", adam2, AdamReference, 1e-3});
+  OptimizerOptions sgd;
+  sgd.kind = Kind::kSgd;
+  sgd.learning_rate = 0.05f;
+  cases.push_back({"sgd_plain", sgd, SgdReference});
+  OptimizerOptions momentum = sgd;
+  momentum.momentum = 0.9f;
+  cases.push_back({"sgd_momentum", momentum, SgdReference});
+  OptimizerOptions nesterov = momentum;
+  nesterov.nesterov = true;
+  cases.push_back({"sgd_nesterov", nesterov, SgdReference});
+  OptimizerOptions adagrad;
+  adagrad.kind = Kind::kAdagrad;
+  adagrad.learning_rate = 0.1f;
+  cases.push_back({"adagrad_default", adagrad, AdagradReference});
+  OptimizerOptions adagrad2 = adagrad;
+  adagrad2.initial_accumulator_value = 0.0f;
+  adagrad2.epsilon = 1e-4f;  // with acc0 = 0, epsilon is a visible share of acc
+  cases.push_back({"adagrad_custom", adagrad2, AdagradReference, 1e-2});
+  return cases;
+}
+
+TEST(OptimizerTest, MatchesKerasFormulasOverFiveSteps) {
+  for (const Case& c : AllCases()) {
+    for (int64_t n : {1, 7, 16, 33, 1000, 4099}) RunAgainstReference(c, n, 5);
+  }
+}
+
+TEST(OptimizerTest, AdamBiasCorrectionUsesTheGivenStep) {
+  // Steps 100..102 on fresh slots: alpha differs a lot from steps 1..3.
+  for (const Case& c : AllCases()) {
+    if (c.options.kind == Kind::kAdam) RunAgainstReference(c, 257, 3, /*first_step=*/100);
+  }
+}
+
+TEST(OptimizerTest, ZeroElementsIsANoOp) {
+  std::unique_ptr<Optimizer> opt = MustCreate({});
+  float p = 1.0f, m = 2.0f, v = 3.0f, g = 4.0f;
+  float* slots[] = {&m, &v};
+  opt->Apply(1, &p, slots, &g, 0);
+  EXPECT_EQ(p, 1.0f);
+  EXPECT_EQ(m, 2.0f);
+  EXPECT_EQ(v, 3.0f);
+}
+
+// ---- Tiny cases worked out by hand. ----
+
+TEST(OptimizerTest, AdamFirstStepMovesByLearningRateTimesSign) {
+  // Step 1, Keras defaults, g = {2, -0.5, 0}, p = 1:
+  //   m = 0.1 g = {0.2, -0.05, 0};  v = 0.001 g^2 = {0.004, 0.00025, 0}
+  //   alpha = 0.001 * sqrt(0.001) / 0.1 = 0.001 * 0.316228
+  //   alpha * m / (sqrt v + eps) = 0.001 * 0.0316228 g / (0.0316228 |g| + 1e-7)
+  //     g = 2:    0.001 * (1 - 1.6e-6)  -> p = 0.999
+  //     g = -0.5: 0.001 * (1 - 6.3e-6)  -> p = 1.001
+  //     g = 0:    m = 0, no move        -> p = 1
+  std::unique_ptr<Optimizer> opt = MustCreate({});
+  std::vector<float> p = {1, 1, 1}, m(3, 0.0f), v(3, 0.0f), g = {2, -0.5f, 0};
+  float* slots[] = {m.data(), v.data()};
+  opt->Apply(1, p.data(), slots, g.data(), 3);
+  EXPECT_NEAR(p[0], 0.999, 2e-7);
+  EXPECT_NEAR(p[1], 1.001, 2e-7);
+  EXPECT_EQ(p[2], 1.0f);
+  // 1 - beta is taken from the float32 hyper-parameters (as Keras 2.11 does):
+  // 1 - 0.9f = 0.1 * (1 + 2.4e-7) and 1 - 0.999f = 0.001 * (1 - 1.3e-5).
+  EXPECT_NEAR(m[0], 0.2, 0.2 * 1e-6);
+  EXPECT_NEAR(m[1], -0.05, 0.05 * 1e-6);
+  EXPECT_NEAR(v[0], 0.004, 0.004 * 2e-5);
+  EXPECT_NEAR(v[1], 0.00025, 0.00025 * 2e-5);
+  EXPECT_EQ(v[2], 0.0f);
+}
+
+TEST(OptimizerTest, SgdMomentumAndNesterovByHand) {
+  // lr 0.1, momentum 0.9, g = 1 twice, p = 0:
+  //   momentum: m1 = -0.1, p1 = -0.1; m2 = 0.9*-0.1 - 0.1 = -0.19, p2 = -0.29
+  //   nesterov: m1 = -0.1, p1 = 0.9*-0.1 - 0.1 = -0.19;
+  //             m2 = -0.19, p2 = -0.19 + 0.9*-0.19 - 0.1 = -0.461
+  //   plain:    p2 = -0.2
+  OptimizerOptions o;
+  o.kind = Kind::kSgd;
+  o.learning_rate = 0.1f;
+  for (auto [mu, nesterov, want] :
+       {std::tuple{0.9f, false, -0.29}, {0.9f, true, -0.461}, {0.0f, false, -0.2}}) {
+    o.momentum = mu;
+    o.nesterov = nesterov;
+    std::unique_ptr<Optimizer> opt = MustCreate(o);
+    float p = 0.0f, m = 0.0f, g = 1.0f;
+    float* slots[] = {&m};
+    opt->Apply(1, &p, slots, &g, 1);
+    opt->Apply(2, &p, slots, &g, 1);
+    EXPECT_NEAR(p, want, 1e-6) << opt->DebugString();
+  }
+}
+
+TEST(OptimizerTest, AdagradByHand) {
+  // lr 0.1, acc0 = 7, g = 3: acc = 16, p -= 0.1 * 3 / sqrt(16 + 1e-7) = 0.075.
+  OptimizerOptions o;
+  o.kind = Kind::kAdagrad;
+  o.learning_rate = 0.1f;
+  o.initial_accumulator_value = 7.0f;
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  float p = 1.0f, acc = opt->slot_initial_value(0), g = 3.0f;
+  float* slots[] = {&acc};
+  opt->Apply(1, &p, slots, &g, 1);
+  EXPECT_EQ(acc, 16.0f);
+  EXPECT_NEAR(p, 0.925, 1e-7);
+}
+
+TEST(OptimizerTest, ConcurrentApplyOnDisjointRangesEqualsOneCall) {
+  std::unique_ptr<Optimizer> opt = MustCreate({});
+  const int64_t n = 10007, half = 5000;
+  std::vector<float> g(n), p1(n, 0.5f), m1(n), v1(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = std::sin(0.1 * i);
+  std::vector<float> p2 = p1, m2 = m1, v2 = v1;
+  float* s1[] = {m1.data(), v1.data()};
+  opt->Apply(1, p1.data(), s1, g.data(), n);
+  float* lo[] = {m2.data(), v2.data()};
+  float* hi[] = {m2.data() + half, v2.data() + half};
+  std::thread t([&] { opt->Apply(1, p2.data() + half, hi, g.data() + half, n - half); });
+  opt->Apply(1, p2.data(), lo, g.data(), half);
+  t.join();
+  EXPECT_EQ(p1, p2);
+  EXPECT_EQ(m1, m2);
+  EXPECT_EQ(v1, v2);
+}
+
+// ---- Slots, names, options. ----
+
+TEST(OptimizerTest, SlotsPerKind) {
+  OptimizerOptions o;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 2);
+  EXPECT_EQ(MustCreate(o)->slot_initial_value(1), 0.0f);
+  o.kind = Kind::kSgd;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 0);
+  o.momentum = 0.5f;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 1);
+  EXPECT_EQ(MustCreate(o)->slot_initial_value(0), 0.0f);
+  o.kind = Kind::kAdagrad;
+  o.initial_accumulator_value = 0.25f;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 1);
+  EXPECT_EQ(MustCreate(o)->slot_initial_value(0), 0.25f);
+}
+
+TEST(OptimizerTest, DebugString) {
+  EXPECT_EQ(MustCreate({})->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)");
+  OptimizerOptions o;
+  o.kind = Kind::kSgd;
+  o.learning_rate = 0.01f;
+  o.momentum = 0.9f;
+  o.nesterov = true;
+  EXPECT_EQ(MustCreate(o)->DebugString(), "sgd(learning_rate=0.01, momentum=0.9, nesterov=true)");
+  o.kind = Kind::kAdagrad;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adagrad(learning_rate=0.01, initial_accumulator_value=0.1, epsilon=1e-07)");
+}
+
+TEST(OptimizerTest, ParseOptimizerKind) {
+  EXPECT_EQ(*ParseOptimizerKind("adam"), Kind::kAdam);
+  EXPECT_EQ(*ParseOptimizerKind("sgd"), Kind::kSgd);
+  EXPECT_EQ(*ParseOptimizerKind("adagrad"), Kind::kAdagrad);
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+    EXPECT_EQ(*ParseOptimizerKind(OptimizerKindName(k)), k);
+  }
+  absl::StatusOr<Kind> bad = ParseOptimizerKind("rmsprop");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(),
+              AllOf(HasSubstr("rmsprop"), HasSubstr("adam"), HasSubstr("sgd"), HasSubstr("adagrad")));
+  EXPECT_FALSE(ParseOptimizerKind("Adam").ok());
+  EXPECT_FALSE(ParseOptimizerKind("").ok());
+}
+
+void ExpectInvalid(const OptimizerOptions& o, const std::string& field, const std::string& range) {
+  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(o);
+  ASSERT_FALSE(opt.ok()) << "accepted bad " << field;
+  EXPECT_EQ(opt.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(opt.status().message(), AllOf(HasSubstr(field), HasSubstr(range)));
+}
+
+TEST(OptimizerTest, RejectsBadOptions) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+    for (float lr : {0.0f, -0.1f, nan, inf}) {
+      OptimizerOptions o;
+      o.kind = k;
+      o.learning_rate = lr;
+      ExpectInvalid(o, "learning_rate", "> 0");
+    }
+  }
+  for (float beta : {-0.1f, 1.0f, 1.5f, nan}) {
+    OptimizerOptions o;
+    o.beta_1 = beta;
+    ExpectInvalid(o, "beta_1", "[0, 1)");
+    o = {};
+    o.beta_2 = beta;
+    ExpectInvalid(o, "beta_2", "[0, 1)");
+  }
+  for (Kind k : {Kind::kAdam, Kind::kAdagrad}) {
+    for (float eps : {0.0f, -1e-7f, nan, inf}) {
+      OptimizerOptions o;
+      o.kind = k;
+      o.epsilon = eps;
+      ExpectInvalid(o, "epsilon", "> 0");
+    }
+  }
+  for (float mu : {-0.5f, 1.0f, nan}) {
+    OptimizerOptions o;
+    o.kind = Kind::kSgd;
+    o.momentum = mu;
+    ExpectInvalid(o, "momentum", "[0, 1)");
+  }
+  for (float acc : {-0.1f, nan, inf}) {
+    OptimizerOptions o;
+    o.kind = Kind::kAdagrad;
+    o.initial_accumulator_value = acc;
+    ExpectInvalid(o, "initial_accumulator_value", ">= 0");
+  }
+}
+
+TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
+  OptimizerOptions o;
+  o.beta_1 = 0.0f;
+  o.beta_2 = 0.0f;
+  EXPECT_TRUE(Optimizer::Create(o).ok());
+  o = {};
+  o.kind = Kind::kSgd;
+  o.nesterov = true;  // Keras accepts nesterov with momentum 0.
+  o.beta_1 = 7.0f;    // not an SGD field
+  o.epsilon = -1.0f;  // not an SGD field
+  EXPECT_TRUE(Optimizer::Create(o).ok());
+  o.kind = Kind::kAdagrad;
+  o.epsilon = 1e-7f;
+  o.initial_accumulator_value = 0.0f;
+  EXPECT_TRUE(Optimizer::Create(o).ok());
+}
+
+}  // namespace
+}  // namespace psflow::server
