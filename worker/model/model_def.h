@@ -51,8 +51,11 @@ struct ModelDef {
 
 // Built-in specs.
 inline constexpr char kSeedModelSpec[] = "conv2d:32:3:relu,flatten,dense:128:relu,dense:10";
+// Two convolutions with "same" padding, each followed by 2x2 max pooling, as
+// the Keras tutorials write it.
 inline constexpr char kTwoConvModelSpec[] =
-    "conv2d:32:3:relu,maxpool:2,conv2d:64:3:relu,maxpool:2,flatten,dense:128:relu,dense:10";
+    "conv2d:32:3:relu:same,maxpool:2,conv2d:64:3:relu:same,maxpool:2,flatten,dense:128:relu,"
+    "dense:10";
 
 // Parses `spec` (a spec string, the name of a built-in: "seed" or "two_conv",
 // or "@path" to read the spec from a file) for inputs of shape `input`.

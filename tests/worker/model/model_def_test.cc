@@ -69,15 +69,16 @@ TEST(ParseModelTest, TwoConvModelNumbersLayersLikeKeras) {
   }
   EXPECT_THAT(names, ElementsAre("conv2d", "max_pooling2d", "conv2d_1", "max_pooling2d_1",
                                  "flatten", "dense", "dense_1"));
-  EXPECT_THAT(outputs, ElementsAre(Shape3{26, 26, 32}, Shape3{13, 13, 32}, Shape3{11, 11, 64},
-                                   Shape3{5, 5, 64}, Shape3{1, 1, 1600}, Shape3{1, 1, 128},
+  // "same" convolutions keep the size; each pool halves it: 28 -> 14 -> 7.
+  EXPECT_THAT(outputs, ElementsAre(Shape3{28, 28, 32}, Shape3{14, 14, 32}, Shape3{14, 14, 64},
+                                   Shape3{7, 7, 64}, Shape3{1, 1, 3136}, Shape3{1, 1, 128},
                                    Shape3{1, 1, 10}));
   EXPECT_EQ(m->layers[1].stride, 2);  // pool stride defaults to the pool size
   EXPECT_THAT(VariableNames(*m),
               ElementsAre("conv2d/kernel", "conv2d/bias", "conv2d_1/kernel", "conv2d_1/bias",
                           "dense/kernel", "dense/bias", "dense_1/kernel", "dense_1/bias"));
   EXPECT_THAT(m->variables[2].shape, ElementsAre(3, 3, 32, 64));
-  EXPECT_THAT(m->variables[4].shape, ElementsAre(1600, 128));
+  EXPECT_THAT(m->variables[4].shape, ElementsAre(3136, 128));
 }
 
 TEST(ParseModelTest, SamePaddingAndStrides) {
