@@ -13,6 +13,8 @@
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/rpc_method.h"
+#include "grpcpp/support/sync_stream.h"
 #include "psflow.grpc.pb.h"
 
 namespace psflow::worker {
@@ -31,6 +33,58 @@ int64_t FirstNonFinite(const float* data, int64_t n) {
   }
   return -1;
 }
+
+void AppendVarint(std::string* out, uint64_t v) {
+  while (v >= 0x80) {
+    out->push_back(static_cast<char>(v | 0x80));
+    v >>= 7;
+  }
+  out->push_back(static_cast<char>(v));
+}
+
+// Builds PushRequest messages in protobuf's wire format as grpc::ByteBuffers
+// whose data slices point at the caller's floats, so the gradient is not
+// copied on the client (the generated code copies it into a string, then
+// again into gRPC's slices). STATIC_SLICE is safe: the caller's memory
+// outlives the call, which returns after Finish. The bytes are exactly those
+// the generated PushRequest would write; ps_cluster_test checks the server
+// reads them.
+class PushEncoder {
+ public:
+  void SetHeader(const PushHeader& header) {
+    PushRequest only_header;
+    *only_header.mutable_header() = header;
+    meta_ = only_header.SerializeAsString();  // field 1, first in the message
+  }
+  void AddSegment(const std::string& variable, int64_t offset, const float* data, int64_t count) {
+    Segment prefix;  // variable and offset; the data field is appended by hand
+    prefix.set_variable(variable);
+    prefix.set_offset(offset);
+    std::string inner = prefix.SerializeAsString();
+    const uint64_t bytes = static_cast<uint64_t>(count) * 4;
+    inner.push_back(0x1a);  // Segment.data: field 3, length-delimited
+    AppendVarint(&inner, bytes);
+    meta_.push_back(0x12);  // PushRequest.segments: field 2, length-delimited
+    AppendVarint(&meta_, inner.size() + bytes);
+    meta_ += inner;
+    slices_.emplace_back(meta_);
+    meta_.clear();
+    slices_.emplace_back(data, bytes, grpc::Slice::STATIC_SLICE);
+  }
+  bool empty() const { return slices_.empty() && meta_.empty(); }
+  // Moves what was added into `out` and starts a new message.
+  void Take(grpc::ByteBuffer* out) {
+    if (!meta_.empty()) slices_.emplace_back(meta_);
+    grpc::ByteBuffer buffer(slices_.data(), slices_.size());
+    out->Swap(&buffer);
+    slices_.clear();
+    meta_.clear();
+  }
+
+ private:
+  std::string meta_;                 // encoded bytes not yet in a slice
+  std::vector<grpc::Slice> slices_;  // the message so far
+};
 
 // Runs fn(shard) for every shard, in parallel, and returns the first error.
 absl::Status ForEachShard(int num_shards, const std::function<absl::Status(int)>& fn) {
@@ -58,8 +112,12 @@ class GrpcPsClient final : public PsClient {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
-      shard.stub = ParameterServer::NewStub(grpc::CreateCustomChannel(
-          options_.ps_addresses[s], grpc::InsecureChannelCredentials(), args));
+      shard.channel = grpc::CreateCustomChannel(options_.ps_addresses[s],
+                                                grpc::InsecureChannelCredentials(), args);
+      shard.stub = ParameterServer::NewStub(shard.channel);
+      shard.push_method = std::make_unique<grpc::internal::RpcMethod>(
+          "/psflow.ParameterServer/Push", grpc::internal::RpcMethod::CLIENT_STREAMING,
+          shard.channel);
       shard.parts = plan_.PartsOnShard(s);
       for (int p : shard.parts) {
         const Part& part = plan_.parts()[p];
@@ -162,11 +220,12 @@ class GrpcPsClient final : public PsClient {
  private:
   struct Shard {
     std::string name;
+    std::shared_ptr<grpc::Channel> channel;
     std::unique_ptr<ParameterServer::Stub> stub;
+    std::unique_ptr<grpc::internal::RpcMethod> push_method;  // Push with ByteBuffer messages
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    // Reused across calls so that their buffers are allocated once.
-    PushRequest push_msg;
+    // Reused across calls so that its buffers are allocated once.
     PullResponse pull_msg;
   };
 
@@ -257,14 +316,41 @@ class GrpcPsClient final : public PsClient {
     grpc::ClientContext context;
     SetDeadline(&context);
     PushResponse response;
-    auto writer = shard.stub->Push(&context, &response);
-    PushHeader* header = shard.push_msg.mutable_header();
-    header->set_worker_id(options_.worker_id);
-    header->set_step(info.step);
-    header->set_read_version(info.read_version);
-    header->set_request_id(request_id);
-    StreamParts(shard.parts, grads, &shard.push_msg,
-                [&](const PushRequest& m) { return writer->Write(m); });
+    // What the generated stub does, with ByteBuffer messages (PushEncoder).
+    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+            shard.channel.get(), *shard.push_method, &context, &response));
+    PushHeader header;
+    header.set_worker_id(options_.worker_id);
+    header.set_step(info.step);
+    header.set_read_version(info.read_version);
+    header.set_request_id(request_id);
+    PushEncoder encoder;
+    encoder.SetHeader(header);
+    grpc::ByteBuffer message;
+    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
+    int64_t in_msg = 0;
+    bool ok = true;
+    for (size_t i = 0; i < shard.parts.size() && ok; ++i) {
+      const Part& part = plan_.parts()[shard.parts[i]];
+      const std::string& name = plan_.variables()[part.variable_index].name;
+      const float* base = grads[part.variable_index] + part.elem_begin;
+      for (int64_t offset = 0; offset < part.num_elements() && ok;) {
+        const int64_t take = std::min(part.num_elements() - offset, chunk - in_msg);
+        encoder.AddSegment(name, offset, base + offset, take);
+        offset += take;
+        in_msg += take;
+        if (in_msg >= chunk) {
+          encoder.Take(&message);
+          ok = writer->Write(message);
+          in_msg = 0;
+        }
+      }
+    }
+    if (ok && !encoder.empty()) {
+      encoder.Take(&message);
+      writer->Write(message);
+    }
     writer->WritesDone();
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
