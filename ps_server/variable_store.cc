@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "common/float_buffer.h"
 #include "common/status_macros.h"
+#include "common/tensor_checks.h"
 
 namespace psflow::server {
 
@@ -34,23 +35,6 @@ absl::Status ValidateDefinition(const PartDefinition& def) {
                      def.row_end, "); expected a non-empty range within [0,", rows, ")"));
   }
   return absl::OkStatus();
-}
-
-// First non-finite value in data[0, n), or -1. The bit test vectorizes.
-int64_t FirstNonFinite(const float* data, int64_t n) {
-  uint32_t any = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (!any) return -1;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    if ((bits & 0x7f800000u) == 0x7f800000u) return i;
-  }
-  return -1;
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
 #include "common/status_macros.h"
+#include "common/tensor_checks.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
@@ -19,20 +20,6 @@
 
 namespace psflow::worker {
 namespace {
-
-int64_t FirstNonFinite(const float* data, int64_t n) {
-  uint32_t any = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, data + i, 4);
-    any |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
-  }
-  if (!any) return -1;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(data[i])) return i;
-  }
-  return -1;
-}
 
 void AppendVarint(std::string* out, uint64_t v) {
   while (v >= 0x80) {
