@@ -2,16 +2,22 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_status.h"
+#include "common/grpc_wire.h"
 #include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/codegen/method_handler.h"
+#include "grpcpp/impl/codegen/rpc_service_method.h"
 #include "psflow.grpc.pb.h"
 
 namespace psflow::server {
@@ -47,30 +53,116 @@ void ToProto(const PartDefinition& def, PartDef* out) {
 
 }  // namespace
 
+// Buffers for pull responses (and push scratch), reused across calls so the
+// hot path touches no fresh memory. A buffer handed to gRPC as a slice comes
+// back through the slice's destroy callback, from whatever thread drops the
+// last reference; each buffer keeps the pool alive until then.
+class BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  struct Buffer {
+    std::unique_ptr<char[]> data;
+    size_t capacity = 0;
+    std::shared_ptr<BufferPool> pool;
+  };
+
+  // A buffer of at least `bytes`.
+  Buffer* Get(size_t bytes) {
+    std::unique_ptr<Buffer> found;
+    {
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i]->capacity >= bytes) {
+          found = std::move(free_[i]);
+          free_[i] = std::move(free_.back());
+          free_.pop_back();
+          break;
+        }
+      }
+    }
+    if (found == nullptr) {
+      found = std::make_unique<Buffer>();
+      found->capacity = bytes;
+      found->data.reset(new char[bytes]);
+    }
+    found->pool = shared_from_this();
+    return found.release();
+  }
+
+  // Takes a buffer back (also the destroy callback of a slice over it).
+  static void Return(void* b) {
+    std::unique_ptr<Buffer> buffer(static_cast<Buffer*>(b));
+    std::shared_ptr<BufferPool> pool = std::move(buffer->pool);
+    absl::MutexLock lock(&pool->mu_);
+    if (pool->free_.size() < kMaxFree) {
+      pool->free_.push_back(std::move(buffer));
+    } else {
+      // Keep the larger ones: replace the smallest if this one is bigger.
+      auto smallest = std::min_element(
+          pool->free_.begin(), pool->free_.end(),
+          [](const auto& a, const auto& b) { return a->capacity < b->capacity; });
+      if ((*smallest)->capacity < buffer->capacity) *smallest = std::move(buffer);
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 6;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<Buffer>> free_ ABSL_GUARDED_BY(mu_);
+};
+
 // The ParameterServer service over a VariableStore. Handlers never throw or
 // crash on a request: every problem becomes a status naming the variable.
-class PsServer::Service final : public ParameterServer::Service {
+//
+// Push and Pull move tensor bytes, so they are registered as raw methods
+// (grpc::ByteBuffer in or out) and use the hand-written codec of
+// common/grpc_wire.h: a push is parsed straight from gRPC's slices, a pull
+// response is encoded into a pooled buffer that gRPC sends without a copy.
+// The method table is written here (as the generated Service constructor
+// does) because gRPC generates no synchronous raw methods; the wire bytes
+// are those of proto/psflow.proto.
+class PsServer::Service final : public grpc::Service {
  public:
-  explicit Service(VariableStore* store) : store_(store) {}
-
-  grpc::Status RegisterVariables(grpc::ServerContext* context,
-                                 grpc::ServerReader<RegisterRequest>* reader,
-                                 RegisterResponse* response) override {
-    return ToGrpcStatus(DoRegister(context, reader, response));
+  explicit Service(VariableStore* store) : store_(store), pool_(std::make_shared<BufferPool>()) {
+    using grpc::internal::RpcMethod;
+    using grpc::internal::RpcServiceMethod;
+    AddMethod(new RpcServiceMethod(
+        "/psflow.ParameterServer/RegisterVariables", RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<Service, RegisterRequest, RegisterResponse>(
+            [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<RegisterRequest>* reader,
+               RegisterResponse* response) {
+              return ToGrpcStatus(s->DoRegister(ctx, reader, response));
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        "/psflow.ParameterServer/Pull", RpcMethod::SERVER_STREAMING,
+        new grpc::internal::ServerStreamingHandler<Service, PullRequest, grpc::ByteBuffer>(
+            [](Service* s, grpc::ServerContext* ctx, const PullRequest* request,
+               grpc::ServerWriter<grpc::ByteBuffer>* writer) {
+              return ToGrpcStatus(s->DoPull(ctx, *request, writer));
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        "/psflow.ParameterServer/Push", RpcMethod::CLIENT_STREAMING,
+        new grpc::internal::ClientStreamingHandler<Service, grpc::ByteBuffer, PushResponse>(
+            [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
+               PushResponse* response) {
+              return ToGrpcStatus(s->DoPush(ctx, reader, response));
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        "/psflow.ParameterServer/GetStatus", RpcMethod::NORMAL_RPC,
+        new grpc::internal::RpcMethodHandler<Service, StatusRequest, StatusResponse,
+                                             grpc::protobuf::MessageLite,
+                                             grpc::protobuf::MessageLite>(
+            [](Service* s, grpc::ServerContext*, const StatusRequest*, StatusResponse* response) {
+              s->DoGetStatus(response);
+              return grpc::Status::OK;
+            },
+            this)));
   }
 
-  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
-                    PushResponse* response) override {
-    return ToGrpcStatus(DoPush(context, reader, response));
-  }
-
-  grpc::Status Pull(grpc::ServerContext* context, const PullRequest* request,
-                    grpc::ServerWriter<PullResponse>* writer) override {
-    return ToGrpcStatus(DoPull(context, *request, writer));
-  }
-
-  grpc::Status GetStatus(grpc::ServerContext*, const StatusRequest*,
-                         StatusResponse* response) override {
+ private:
+  void DoGetStatus(StatusResponse* response) {
     const VariableStoreOptions& o = store_->options();
     response->set_shard_index(o.shard_index);
     response->set_num_shards(o.num_shards);
@@ -90,10 +182,8 @@ class PsServer::Service final : public ParameterServer::Service {
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());
-    return grpc::Status::OK;
   }
 
- private:
   absl::Status DoRegister(grpc::ServerContext* context,
                           grpc::ServerReader<RegisterRequest>* reader,
                           RegisterResponse* response) {
@@ -126,38 +216,86 @@ class PsServer::Service final : public ParameterServer::Service {
     return absl::OkStatus();
   }
 
-  absl::Status DoPush(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
+  // Reads and decodes the next push message; false at the end of the stream.
+  absl::StatusOr<bool> ReadPush(grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                grpc::ByteBuffer* buffer, std::vector<grpc::Slice>* slices,
+                                std::vector<absl::string_view>* pieces,
+                                wire::DecodedMessage* msg) {
+    if (!reader->Read(buffer)) return false;
+    PSFLOW_RETURN_IF_ERROR(wire::DumpPieces(*buffer, slices, pieces));
+    absl::Status s = wire::Decode(wire::MessageKind::kPushRequest, *pieces, msg);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("Push: ", s.message()));
+    return true;
+  }
+
+  absl::Status DoPush(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
                       PushResponse* response) {
-    // One message object for the whole stream: its buffers are reused, so
-    // the hot path allocates nothing once warm.
-    PushRequest msg;
-    if (!reader->Read(&msg) || !msg.has_header()) {
+    // Per call: the received message's slices (references, no copy) and
+    // a pooled scratch buffer for segments whose data is split across slices
+    // or not float-aligned.
+    grpc::ByteBuffer buffer;
+    std::vector<grpc::Slice> slices;
+    std::vector<absl::string_view> pieces;
+    wire::DecodedMessage msg;
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &buffer, &slices, &pieces, &msg));
+    if (!got || !msg.has_header) {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
-    const PushHeader& h = msg.header();
-    auto session = store_->BeginPush(
-        {h.worker_id(), h.step(), h.read_version(), h.request_id()});
+    const wire::PushHeaderFields& h = msg.header;
+    auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
+    BufferPool::Buffer* scratch = nullptr;
+    std::vector<const void*> data;
     absl::Status status = [&]() -> absl::Status {
-      do {
+      while (true) {
+        // Place every segment's data contiguously and aligned.
+        size_t need = 0;
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          const wire::DecodedSegment& seg = msg.segments[i];
+          if (seg.data_bytes % 4 != 0) {
+            return absl::InvalidArgumentError(absl::StrCat(
+                "segment of '", seg.variable, "' has ", seg.data_bytes,
+                " bytes of data; expected a multiple of 4 (float32 values)"));
+          }
+          need += static_cast<size_t>(seg.data_bytes);
+        }
+        if (scratch == nullptr || scratch->capacity < need) {
+          if (scratch != nullptr) BufferPool::Return(scratch);
+          scratch = pool_->Get(std::max<size_t>(need, 1));
+        }
+        data.clear();
+        size_t used = 0;
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          const wire::DecodedSegment& seg = msg.segments[i];
+          if (seg.num_runs == 1 &&
+              reinterpret_cast<uintptr_t>(msg.data_runs[seg.first_run].data()) % 4 == 0) {
+            data.push_back(msg.data_runs[seg.first_run].data());
+          } else {
+            msg.CopyData(seg, scratch->data.get() + used);
+            data.push_back(scratch->data.get() + used);
+            used += static_cast<size_t>(seg.data_bytes);
+          }
+        }
         // Validate the whole message before applying any of it.
-        for (const Segment& segment : msg.segments()) {
-          int64_t count = 0;
-          PSFLOW_RETURN_IF_ERROR(SegmentSize(segment, &count));
-          PSFLOW_RETURN_IF_ERROR(session->Validate(segment.variable(), segment.offset(),
-                                                   segment.data().data(), count));
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          const wire::DecodedSegment& seg = msg.segments[i];
+          PSFLOW_RETURN_IF_ERROR(
+              session->Validate(seg.variable, seg.offset, data[i], seg.data_bytes / 4));
         }
-        for (const Segment& segment : msg.segments()) {
-          PSFLOW_RETURN_IF_ERROR(session->Apply(segment.variable(), segment.offset(),
-                                                segment.data().data(),
-                                                static_cast<int64_t>(segment.data().size() / 4)));
-          bytes_received_ += static_cast<int64_t>(segment.data().size());
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          const wire::DecodedSegment& seg = msg.segments[i];
+          PSFLOW_RETURN_IF_ERROR(
+              session->Apply(seg.variable, seg.offset, data[i], seg.data_bytes / 4));
+          bytes_received_ += seg.data_bytes;
         }
-      } while (reader->Read(&msg));
+        PSFLOW_ASSIGN_OR_RETURN(bool more, ReadPush(reader, &buffer, &slices, &pieces, &msg));
+        if (!more) break;
+      }
       if (context->IsCancelled()) {
         return absl::CancelledError("Push: the stream broke before it was complete");
       }
       return absl::OkStatus();
     }();
+    if (scratch != nullptr) BufferPool::Return(scratch);
     session->Finish(status);
     PSFLOW_RETURN_IF_ERROR(status);
     response->set_elements_applied(session->elements_applied());
@@ -166,7 +304,7 @@ class PsServer::Service final : public ParameterServer::Service {
   }
 
   absl::Status DoPull(grpc::ServerContext* context, const PullRequest& request,
-                      grpc::ServerWriter<PullResponse>* writer) {
+                      grpc::ServerWriter<grpc::ByteBuffer>* writer) {
     std::vector<PartSnapshot> parts;
     if (request.variables().empty()) {
       parts = store_->ListParts();
@@ -181,39 +319,80 @@ class PsServer::Service final : public ParameterServer::Service {
     chunk_bytes = std::max<int64_t>(4, std::min(chunk_bytes, store_->options().max_chunk_bytes));
     const int64_t chunk_elements = chunk_bytes / 4;
 
-    PullResponse msg;
-    int64_t in_msg = 0;  // elements in msg
-    auto flush = [&]() -> absl::Status {
-      if (msg.segments_size() == 0) return absl::OkStatus();
-      if (!writer->Write(msg)) {
-        return absl::CancelledError("Pull: the client went away");
-      }
-      bytes_sent_ += in_msg * 4;
-      msg.Clear();  // keeps the allocated segments and their capacity
-      in_msg = 0;
-      return absl::OkStatus();
+    // Plan the messages: runs of (part, offset, count), at most
+    // chunk_elements per message.
+    struct Piece {
+      const PartSnapshot* part;
+      int64_t offset, count;
     };
+    std::vector<Piece> plan;
+    std::vector<size_t> message_ends;  // index into plan after each message
+    int64_t in_msg = 0;
     for (const PartSnapshot& part : parts) {
       for (int64_t offset = 0; offset < part.num_elements;) {
         const int64_t take = std::min(part.num_elements - offset, chunk_elements - in_msg);
-        Segment* segment = msg.add_segments();
-        segment->set_variable(part.def.variable);
-        segment->set_offset(offset);
-        std::string* data = segment->mutable_data();
-        data->resize(take * 4);
-        PSFLOW_ASSIGN_OR_RETURN(int64_t version,
-                                store_->Read(part.def.variable, offset, take, data->data()));
-        msg.add_versions(version);
+        plan.push_back({&part, offset, take});
         offset += take;
         in_msg += take;
-        if (in_msg >= chunk_elements) PSFLOW_RETURN_IF_ERROR(flush());
+        if (in_msg >= chunk_elements) {
+          message_ends.push_back(plan.size());
+          in_msg = 0;
+        }
       }
+    }
+    if (message_ends.empty() || message_ends.back() != plan.size()) {
+      message_ends.push_back(plan.size());
+    }
+    if (plan.empty()) return absl::OkStatus();
+
+    std::vector<int64_t> versions;
+    std::string tail;
+    size_t begin = 0;
+    for (size_t end : message_ends) {
+      size_t bound = 2 + 10 + 10 * (end - begin);  // versions field
+      for (size_t i = begin; i < end; ++i) {
+        bound += wire::MaxSegmentPrefixSize(plan[i].part->def.variable) + plan[i].count * 4;
+      }
+      BufferPool::Buffer* buf = pool_->Get(bound);
+      char* p = buf->data.get();
+      size_t len = 0;
+      versions.clear();
+      absl::Status s;
+      int64_t data_bytes = 0;
+      for (size_t i = begin; i < end && s.ok(); ++i) {
+        const Piece& piece = plan[i];
+        len += wire::WriteSegmentPrefix(p + len, 1, piece.part->def.variable, piece.offset,
+                                        piece.count * 4);
+        absl::StatusOr<int64_t> version =
+            store_->Read(piece.part->def.variable, piece.offset, piece.count, p + len);
+        if (!version.ok()) {
+          s = version.status();
+          break;
+        }
+        versions.push_back(*version);
+        len += piece.count * 4;
+        data_bytes += piece.count * 4;
+      }
+      if (!s.ok()) {
+        BufferPool::Return(buf);
+        return s;
+      }
+      tail.clear();
+      wire::AppendPackedInt64(&tail, 2, versions);
+      std::memcpy(p + len, tail.data(), tail.size());
+      len += tail.size();
+      grpc::Slice slice(buf->data.get(), len, &BufferPool::Return, buf);
+      grpc::ByteBuffer message(&slice, 1);
+      if (!writer->Write(message)) return absl::CancelledError("Pull: the client went away");
+      bytes_sent_ += data_bytes;
+      begin = end;
       if (context->IsCancelled()) return absl::CancelledError("Pull: cancelled");
     }
-    return flush();
+    return absl::OkStatus();
   }
 
   VariableStore* const store_;
+  const std::shared_ptr<BufferPool> pool_;
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };
