@@ -41,6 +41,8 @@ ABSL_FLAG(int, iterations, 30, "Timed iterations per measurement.");
 ABSL_FLAG(int, warmup, 5, "Untimed iterations first.");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Client chunk size.");
 ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
+ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
+ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 
 extern char** environ;
 
@@ -188,7 +190,8 @@ void StartCluster(const std::string& binary, int shards, bool unix_socket, Clust
     }
     std::vector<std::string> args = {binary, absl::StrCat("--address=", listen),
                                      absl::StrCat("--shard_index=", s),
-                                     absl::StrCat("--num_shards=", shards)};
+                                     absl::StrCat("--num_shards=", shards),
+                                     absl::StrCat("--optimizer=", absl::GetFlag(FLAGS_optimizer))};
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -278,9 +281,10 @@ int main(int argc, char** argv) {
   const int64_t elements = TotalElements(vars);
   const double bytes = elements * 4.0;
   std::printf("model: seed CNN, %lld parameters (%.1f MB); %d iterations after %d warm-up; "
-              "client chunk %lld bytes; optimizer on the PS: adam\n",
+              "client chunk %lld bytes; optimizer on the PS: %s\n",
               static_cast<long long>(elements), bytes / 1e6, iterations, warmup,
-              static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes)));
+              static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes)),
+              absl::GetFlag(FLAGS_optimizer).c_str());
   std::printf("%-6s %-7s %-5s %10s %10s %9s %8s\n", "xport", "shards", "op", "median_ms",
               "mean_ms", "GB/s", "vs_raw");
   const std::string transports = absl::GetFlag(FLAGS_transports);
@@ -314,6 +318,7 @@ int main(int argc, char** argv) {
     }
   }
 
+  if (!absl::GetFlag(FLAGS_small_vars)) return 0;
   // Small-variable overhead: 200 variables vs. the same bytes in one.
   std::vector<psflow::VariableSpec> many, one;
   const int64_t per = elements / 200;
