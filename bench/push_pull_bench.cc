@@ -32,6 +32,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/process_stats.h"
 #include "worker/grpc_ps_client.h"
@@ -42,6 +43,8 @@ ABSL_FLAG(int, warmup, 5, "Untimed iterations first.");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Client chunk size.");
 ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
+ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"}),
+          "Shard counts to run, comma-separated.");
 ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 
 extern char** environ;
@@ -295,7 +298,9 @@ int main(int argc, char** argv) {
     const double raw_gbs = bytes / raw.median_s / 1e9;
     std::printf("%-6s %-7s %-5s %10.2f %10.2f %9.2f %8s\n", name, "-", "raw", raw.median_s * 1e3,
                 raw.mean_s * 1e3, raw_gbs, "1.00");
-    for (int shards : {1, 2}) {
+    for (const std::string& shard_flag : absl::GetFlag(FLAGS_shards)) {
+      int shards = 0;
+      if (!absl::SimpleAtoi(shard_flag, &shards) || shards < 1) Die("bad --shards " + shard_flag);
       Run run = RunModel(binary, shards, unix_socket, vars, warmup, iterations);
       for (int op = 0; op < 2; ++op) {
         const Timing& t = op == 0 ? run.push : run.pull;

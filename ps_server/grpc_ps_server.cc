@@ -3,8 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <thread>
 #include <vector>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/synchronization/notification.h"
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -110,6 +115,76 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
   std::vector<std::unique_ptr<Buffer>> free_ ABSL_GUARDED_BY(mu_);
 };
 
+// Threads that apply push messages while the handler threads read the next
+// ones from gRPC. Run() queues a task and returns a ticket to wait on; each
+// push has at most one task in flight, so its messages stay in order.
+class ApplierPool {
+ public:
+  class Ticket {
+   public:
+    absl::Status Wait() {
+      state_->done.WaitForNotification();
+      return std::move(state_->status);
+    }
+
+   private:
+    friend class ApplierPool;
+    struct State {
+      absl::Notification done;
+      absl::Status status;
+    };
+    std::shared_ptr<State> state_ = std::make_shared<State>();
+  };
+
+  explicit ApplierPool(int threads) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Loop(); });
+  }
+  ~ApplierPool() {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    for (std::thread& t : threads_) t.join();
+  }
+
+  Ticket Run(absl::AnyInvocable<absl::Status() &&> task) {
+    Ticket ticket;
+    absl::MutexLock lock(&mu_);
+    queue_.push_back({std::move(task), ticket.state_});
+    return ticket;
+  }
+
+ private:
+  struct Task {
+    absl::AnyInvocable<absl::Status() &&> fn;
+    std::shared_ptr<Ticket::State> state;
+  };
+
+  void Loop() {
+    while (true) {
+      Task task;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ApplierPool* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu_) {
+              return p->stopping_ || !p->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // stopping, and nothing left to do
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task.state->status = std::move(task.fn)();
+      task.state->done.Notify();
+    }
+  }
+
+  absl::Mutex mu_;
+  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
 // The ParameterServer service over a VariableStore. Handlers never throw or
 // crash on a request: every problem becomes a status naming the variable.
 //
@@ -122,7 +197,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 // are those of proto/psflow.proto.
 class PsServer::Service final : public grpc::Service {
  public:
-  explicit Service(VariableStore* store) : store_(store), pool_(std::make_shared<BufferPool>()) {
+  Service(VariableStore* store, int apply_threads)
+      : store_(store), pool_(std::make_shared<BufferPool>()), appliers_(apply_threads) {
     using grpc::internal::RpcMethod;
     using grpc::internal::RpcServiceMethod;
     AddMethod(new RpcServiceMethod(
@@ -216,85 +292,104 @@ class PsServer::Service final : public grpc::Service {
     return absl::OkStatus();
   }
 
-  // Reads and decodes the next push message; false at the end of the stream.
-  absl::StatusOr<bool> ReadPush(grpc::ServerReader<grpc::ByteBuffer>* reader,
-                                grpc::ByteBuffer* buffer, std::vector<grpc::Slice>* slices,
-                                std::vector<absl::string_view>* pieces,
-                                wire::DecodedMessage* msg) {
-    if (!reader->Read(buffer)) return false;
-    PSFLOW_RETURN_IF_ERROR(wire::DumpPieces(*buffer, slices, pieces));
-    absl::Status s = wire::Decode(wire::MessageKind::kPushRequest, *pieces, msg);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("Push: ", s.message()));
-    return true;
-  }
-
-  absl::Status DoPush(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
-                      PushResponse* response) {
-    // Per call: the received message's slices (references, no copy) and
-    // a pooled scratch buffer for segments whose data is split across slices
-    // or not float-aligned.
+  // One received push message: its slices (references, no copy) and the
+  // decoded segments pointing into them.
+  struct PushMessage {
     grpc::ByteBuffer buffer;
     std::vector<grpc::Slice> slices;
     std::vector<absl::string_view> pieces;
     wire::DecodedMessage msg;
-    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &buffer, &slices, &pieces, &msg));
-    if (!got || !msg.has_header) {
+  };
+
+  // Reads and decodes the next push message; false at the end of the stream.
+  absl::StatusOr<bool> ReadPush(grpc::ServerReader<grpc::ByteBuffer>* reader, PushMessage* m) {
+    if (!reader->Read(&m->buffer)) return false;
+    PSFLOW_RETURN_IF_ERROR(wire::DumpPieces(m->buffer, &m->slices, &m->pieces));
+    absl::Status s = wire::Decode(wire::MessageKind::kPushRequest, m->pieces, &m->msg);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("Push: ", s.message()));
+    return true;
+  }
+
+  // Validates every segment of one message, then applies them all (nothing of
+  // a message that fails validation is applied). Segments whose data lies in
+  // one float-aligned run are read in place; the others are first gathered
+  // into `*scratch` (pooled, grown as needed).
+  absl::Status ApplyPush(const wire::DecodedMessage& msg, VariableStore::PushSession* session,
+                         BufferPool::Buffer** scratch, std::vector<const void*>* data) {
+    size_t need = 0;
+    for (size_t i = 0; i < msg.num_segments; ++i) {
+      const wire::DecodedSegment& seg = msg.segments[i];
+      if (seg.data_bytes % 4 != 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("segment of '", seg.variable, "' has ", seg.data_bytes,
+                         " bytes of data; expected a multiple of 4 (float32 values)"));
+      }
+      need += static_cast<size_t>(seg.data_bytes);
+    }
+    if (*scratch == nullptr || (*scratch)->capacity < need) {
+      if (*scratch != nullptr) BufferPool::Return(*scratch);
+      *scratch = pool_->Get(std::max<size_t>(need, 1));
+    }
+    data->clear();
+    size_t used = 0;
+    for (size_t i = 0; i < msg.num_segments; ++i) {
+      const wire::DecodedSegment& seg = msg.segments[i];
+      if (seg.num_runs == 1 &&
+          reinterpret_cast<uintptr_t>(msg.data_runs[seg.first_run].data()) % 4 == 0) {
+        data->push_back(msg.data_runs[seg.first_run].data());
+      } else {
+        msg.CopyData(seg, (*scratch)->data.get() + used);
+        data->push_back((*scratch)->data.get() + used);
+        used += static_cast<size_t>(seg.data_bytes);
+      }
+    }
+    for (size_t i = 0; i < msg.num_segments; ++i) {
+      const wire::DecodedSegment& seg = msg.segments[i];
+      PSFLOW_RETURN_IF_ERROR(
+          session->Validate(seg.variable, seg.offset, (*data)[i], seg.data_bytes / 4));
+    }
+    for (size_t i = 0; i < msg.num_segments; ++i) {
+      const wire::DecodedSegment& seg = msg.segments[i];
+      PSFLOW_RETURN_IF_ERROR(
+          session->Apply(seg.variable, seg.offset, (*data)[i], seg.data_bytes / 4));
+      bytes_received_ += seg.data_bytes;
+    }
+    return absl::OkStatus();
+  }
+
+  // A push is a pipeline of two stages: this handler thread reads and
+  // decodes message k+1 from gRPC while an applier thread validates and
+  // applies message k, so the optimizer runs while the next bytes arrive
+  // instead of stalling the stream (and, through HTTP/2 flow control, the
+  // sender). Messages of one push are applied in order, one at a time.
+  absl::Status DoPush(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
+                      PushResponse* response) {
+    PushMessage slots[2];
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &slots[0]));
+    if (!got || !slots[0].msg.has_header) {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
-    const wire::PushHeaderFields& h = msg.header;
+    const wire::PushHeaderFields& h = slots[0].msg.header;
     auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
     BufferPool::Buffer* scratch = nullptr;
     std::vector<const void*> data;
-    absl::Status status = [&]() -> absl::Status {
-      while (true) {
-        // Place every segment's data contiguously and aligned.
-        size_t need = 0;
-        for (size_t i = 0; i < msg.num_segments; ++i) {
-          const wire::DecodedSegment& seg = msg.segments[i];
-          if (seg.data_bytes % 4 != 0) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "segment of '", seg.variable, "' has ", seg.data_bytes,
-                " bytes of data; expected a multiple of 4 (float32 values)"));
-          }
-          need += static_cast<size_t>(seg.data_bytes);
-        }
-        if (scratch == nullptr || scratch->capacity < need) {
-          if (scratch != nullptr) BufferPool::Return(scratch);
-          scratch = pool_->Get(std::max<size_t>(need, 1));
-        }
-        data.clear();
-        size_t used = 0;
-        for (size_t i = 0; i < msg.num_segments; ++i) {
-          const wire::DecodedSegment& seg = msg.segments[i];
-          if (seg.num_runs == 1 &&
-              reinterpret_cast<uintptr_t>(msg.data_runs[seg.first_run].data()) % 4 == 0) {
-            data.push_back(msg.data_runs[seg.first_run].data());
-          } else {
-            msg.CopyData(seg, scratch->data.get() + used);
-            data.push_back(scratch->data.get() + used);
-            used += static_cast<size_t>(seg.data_bytes);
-          }
-        }
-        // Validate the whole message before applying any of it.
-        for (size_t i = 0; i < msg.num_segments; ++i) {
-          const wire::DecodedSegment& seg = msg.segments[i];
-          PSFLOW_RETURN_IF_ERROR(
-              session->Validate(seg.variable, seg.offset, data[i], seg.data_bytes / 4));
-        }
-        for (size_t i = 0; i < msg.num_segments; ++i) {
-          const wire::DecodedSegment& seg = msg.segments[i];
-          PSFLOW_RETURN_IF_ERROR(
-              session->Apply(seg.variable, seg.offset, data[i], seg.data_bytes / 4));
-          bytes_received_ += seg.data_bytes;
-        }
-        PSFLOW_ASSIGN_OR_RETURN(bool more, ReadPush(reader, &buffer, &slices, &pieces, &msg));
-        if (!more) break;
-      }
-      if (context->IsCancelled()) {
-        return absl::CancelledError("Push: the stream broke before it was complete");
-      }
-      return absl::OkStatus();
-    }();
+    absl::Status status;
+    int cur = 0;
+    while (true) {
+      PushMessage& applying = slots[cur];
+      PushMessage& next = slots[1 - cur];
+      ApplierPool::Ticket ticket = appliers_.Run([&] {
+        return ApplyPush(applying.msg, session.get(), &scratch, &data);
+      });
+      absl::StatusOr<bool> more = ReadPush(reader, &next);
+      status = ticket.Wait();
+      if (status.ok() && !more.ok()) status = more.status();
+      if (!status.ok() || !*more) break;
+      cur = 1 - cur;
+    }
+    if (status.ok() && context->IsCancelled()) {
+      status = absl::CancelledError("Push: the stream broke before it was complete");
+    }
     if (scratch != nullptr) BufferPool::Return(scratch);
     session->Finish(status);
     PSFLOW_RETURN_IF_ERROR(status);
@@ -393,6 +488,7 @@ class PsServer::Service final : public grpc::Service {
 
   VariableStore* const store_;
   const std::shared_ptr<BufferPool> pool_;
+  ApplierPool appliers_;
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };
@@ -401,7 +497,11 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   auto server = std::unique_ptr<PsServer>(new PsServer());
   server->options_ = options;
   PSFLOW_ASSIGN_OR_RETURN(server->store_, VariableStore::Create(options.store));
-  server->service_ = std::make_unique<Service>(server->store_.get());
+  const int apply_threads =
+      options.apply_threads > 0
+          ? options.apply_threads
+          : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 2u, 16u));
+  server->service_ = std::make_unique<Service>(server->store_.get(), apply_threads);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -24,6 +24,9 @@ struct PsServerOptions {
   VariableStoreOptions store;
   // Most threads gRPC may use to serve calls; 0 leaves gRPC's default.
   int threads = 0;
+  // Threads that apply pushed gradients while the next chunks are read;
+  // 0 picks the number of cores (at least 2, at most 16).
+  int apply_threads = 0;
 };
 
 // Thread-safe.
