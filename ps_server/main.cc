@@ -34,6 +34,15 @@ ABSL_FLAG(int, num_shards, -1,
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer applied to pushed gradients: adam|sgd|adagrad.");
 ABSL_FLAG(double, learning_rate, 0.001, "Learning rate of the optimizer.");
+ABSL_FLAG(std::string, learning_rate_schedule, "constant",
+          "How the learning rate changes with the update count: constant|cosine|exponential "
+          "(Keras' CosineDecay and ExponentialDecay, counted per variable part).");
+ABSL_FLAG(int64_t, decay_steps, 0,
+          "cosine/exponential: updates over which the rate decays (required for those; the "
+          "launcher sets it from the planned steps of all workers).");
+ABSL_FLAG(double, cosine_alpha, 0.0, "cosine: the final rate as a fraction of --learning_rate.");
+ABSL_FLAG(double, decay_rate, 0.96, "exponential: the factor per --decay_steps updates.");
+ABSL_FLAG(bool, staircase, false, "exponential: decay in whole steps of --decay_steps.");
 ABSL_FLAG(double, beta_1, 0.9, "Adam: decay of the first moment.");
 ABSL_FLAG(double, beta_2, 0.999, "Adam: decay of the second moment.");
 ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7).");
@@ -66,6 +75,13 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   if (!kind.ok()) return kind.status();
   opt.kind = *kind;
   opt.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  auto schedule = psflow::server::ParseScheduleKind(absl::GetFlag(FLAGS_learning_rate_schedule));
+  if (!schedule.ok()) return schedule.status();
+  opt.schedule.kind = *schedule;
+  opt.schedule.decay_steps = absl::GetFlag(FLAGS_decay_steps);
+  opt.schedule.alpha = static_cast<float>(absl::GetFlag(FLAGS_cosine_alpha));
+  opt.schedule.decay_rate = static_cast<float>(absl::GetFlag(FLAGS_decay_rate));
+  opt.schedule.staircase = absl::GetFlag(FLAGS_staircase);
   opt.beta_1 = static_cast<float>(absl::GetFlag(FLAGS_beta_1));
   opt.beta_2 = static_cast<float>(absl::GetFlag(FLAGS_beta_2));
   opt.epsilon = static_cast<float>(absl::GetFlag(FLAGS_epsilon));

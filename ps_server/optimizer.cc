@@ -1,5 +1,6 @@
 #include "ps_server/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -76,21 +77,35 @@ void AdagradKernel(float* __restrict p, float* __restrict acc, const float* __re
 
 #undef PSFLOW_KERNEL_CLONES
 
+std::string ScheduleSuffix(const LearningRateSchedule& s) {
+  switch (s.kind) {
+    case LearningRateSchedule::Kind::kConstant:
+      return "";
+    case LearningRateSchedule::Kind::kCosine:
+      return absl::StrFormat(", schedule=cosine(decay_steps=%d, alpha=%g)", s.decay_steps, s.alpha);
+    case LearningRateSchedule::Kind::kExponential:
+      return absl::StrFormat(", schedule=exponential(decay_steps=%d, decay_rate=%g, staircase=%s)",
+                             s.decay_steps, s.decay_rate, s.staircase ? "true" : "false");
+  }
+  return ", schedule=unknown";
+}
+
 class Adam final : public Optimizer {
  public:
   explicit Adam(const OptimizerOptions& o) : o_(o) {}
   int num_slots() const override { return 2; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
-    return absl::StrFormat("adam(learning_rate=%g, beta_1=%g, beta_2=%g, epsilon=%g)",
-                           o_.learning_rate, o_.beta_1, o_.beta_2, o_.epsilon);
+    return absl::StrFormat("adam(learning_rate=%g, beta_1=%g, beta_2=%g, epsilon=%g%s)",
+                           o_.learning_rate, o_.beta_1, o_.beta_2, o_.epsilon,
+                           ScheduleSuffix(o_.schedule));
   }
   void Apply(int64_t step, float* param, float* const* slots, const float* grad,
              int64_t n) const override {
     // Bias correction folded into the step size, as Keras does; in double
     // so that 1 - beta^t keeps its digits for large t.
     const double t = static_cast<double>(step);
-    const double alpha = static_cast<double>(o_.learning_rate) *
+    const double alpha = ScheduledLearningRate(o_, step) *
                          std::sqrt(1.0 - std::pow(static_cast<double>(o_.beta_2), t)) /
                          (1.0 - std::pow(static_cast<double>(o_.beta_1), t));
     AdamKernel(param, slots[0], slots[1], grad, n, static_cast<float>(alpha),
@@ -108,18 +123,20 @@ class Sgd final : public Optimizer {
   int num_slots() const override { return o_.momentum > 0.0f ? 1 : 0; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
-    return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s)", o_.learning_rate,
-                           o_.momentum, o_.nesterov ? "true" : "false");
+    return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s%s)", o_.learning_rate,
+                           o_.momentum, o_.nesterov ? "true" : "false",
+                           ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t, float* param, float* const* slots, const float* grad,
+  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
              int64_t n) const override {
+    const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
     if (o_.momentum == 0.0f) {
       // Keras skips the momentum slot entirely here, nesterov or not.
-      SgdKernel(param, grad, n, o_.learning_rate);
+      SgdKernel(param, grad, n, lr);
     } else if (o_.nesterov) {
-      SgdNesterovKernel(param, slots[0], grad, n, o_.learning_rate, o_.momentum);
+      SgdNesterovKernel(param, slots[0], grad, n, lr, o_.momentum);
     } else {
-      SgdMomentumKernel(param, slots[0], grad, n, o_.learning_rate, o_.momentum);
+      SgdMomentumKernel(param, slots[0], grad, n, lr, o_.momentum);
     }
   }
 
@@ -133,12 +150,14 @@ class Adagrad final : public Optimizer {
   int num_slots() const override { return 1; }
   float slot_initial_value(int) const override { return o_.initial_accumulator_value; }
   std::string DebugString() const override {
-    return absl::StrFormat("adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g)",
-                           o_.learning_rate, o_.initial_accumulator_value, o_.epsilon);
+    return absl::StrFormat("adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g%s)",
+                           o_.learning_rate, o_.initial_accumulator_value, o_.epsilon,
+                           ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t, float* param, float* const* slots, const float* grad,
+  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
              int64_t n) const override {
-    AdagradKernel(param, slots[0], grad, n, o_.learning_rate, o_.epsilon);
+    AdagradKernel(param, slots[0], grad, n, static_cast<float>(ScheduledLearningRate(o_, step)),
+                  o_.epsilon);
   }
 
  private:
@@ -164,8 +183,28 @@ absl::Status CheckUnitInterval(const char* field, float value) {
       absl::StrFormat("optimizer option %s must be in [0, 1), got %g", field, value));
 }
 
+absl::Status ValidateSchedule(const LearningRateSchedule& s) {
+  using Kind = LearningRateSchedule::Kind;
+  if (s.kind == Kind::kConstant) return absl::OkStatus();
+  if (s.kind != Kind::kCosine && s.kind != Kind::kExponential) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "learning-rate schedule kind has unknown value ", static_cast<int>(s.kind)));
+  }
+  if (s.decay_steps <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "learning-rate schedule needs decay_steps > 0, got ", s.decay_steps));
+  }
+  if (s.kind == Kind::kCosine && !(s.alpha >= 0.0f && s.alpha <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("cosine schedule alpha must be in [0, 1], got %g", s.alpha));
+  }
+  if (s.kind == Kind::kExponential) return CheckPositive("decay_rate", s.decay_rate);
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const OptimizerOptions& o) {
   if (absl::Status s = CheckPositive("learning_rate", o.learning_rate); !s.ok()) return s;
+  if (absl::Status s = ValidateSchedule(o.schedule); !s.ok()) return s;
   switch (o.kind) {
     case OptimizerOptions::Kind::kAdam:
       if (absl::Status s = CheckUnitInterval("beta_1", o.beta_1); !s.ok()) return s;
@@ -202,6 +241,31 @@ std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {
       return "adagrad";
   }
   return "unknown";
+}
+
+absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name) {
+  if (name == "constant") return LearningRateSchedule::Kind::kConstant;
+  if (name == "cosine") return LearningRateSchedule::Kind::kCosine;
+  if (name == "exponential") return LearningRateSchedule::Kind::kExponential;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "unknown learning-rate schedule \"", absl::string_view(name.data(), name.size()),
+      "\"; expected one of: constant, cosine, exponential"));
+}
+
+double ScheduledLearningRate(const OptimizerOptions& o, int64_t step) {
+  const double lr = o.learning_rate;
+  const LearningRateSchedule& s = o.schedule;
+  if (s.kind == LearningRateSchedule::Kind::kConstant || s.decay_steps <= 0) return lr;
+  const double d = static_cast<double>(s.decay_steps);
+  const double done = static_cast<double>(std::max<int64_t>(step - 1, 0));
+  if (s.kind == LearningRateSchedule::Kind::kCosine) {
+    const double fraction = std::min(done, d) / d;
+    const double cosine = 0.5 * (1.0 + std::cos(M_PI * fraction));
+    return lr * ((1.0 - s.alpha) * cosine + s.alpha);
+  }
+  double p = done / d;
+  if (s.staircase) p = std::floor(p);
+  return lr * std::pow(static_cast<double>(s.decay_rate), p);
 }
 
 Optimizer::~Optimizer() = default;

@@ -14,6 +14,15 @@
 //   Adagrad: acc += g * g
 //            p -= lr * g / sqrt(acc + epsilon)
 //
+// lr may follow a schedule of the update count, as a Keras
+// LearningRateSchedule passed as learning_rate does (evaluated at the
+// optimizer's iterations before the update, i.e. at step - 1):
+//   constant:     lr
+//   cosine:       lr * ((1 - alpha) * 0.5 * (1 + cos(pi * min(s, D) / D)) + alpha)
+//   exponential:  lr * decay_rate^(s / D), s / D floored when staircase
+// with s = step - 1 and D = decay_steps (tf.keras.optimizers.schedules
+// CosineDecay and ExponentialDecay).
+//
 // The kernels are the PS's hot loop: each element is read and written once,
 // vectorized for AVX-512 / AVX2+FMA with a baseline x86-64 fallback chosen at
 // load time (GCC function multiversioning), so the binary stays portable.
@@ -29,12 +38,27 @@
 
 namespace psflow::server {
 
+// How the learning rate changes with the update count (see the top of file).
+struct LearningRateSchedule {
+  enum class Kind { kConstant, kCosine, kExponential };
+  Kind kind = Kind::kConstant;
+  // Cosine and exponential: steps over which the rate decays; > 0.
+  int64_t decay_steps = 0;
+  // Cosine: the final rate as a fraction of the initial one, in [0, 1].
+  float alpha = 0.0f;
+  // Exponential: the factor per decay_steps, finite and > 0.
+  float decay_rate = 0.96f;
+  bool staircase = false;
+};
+
 struct OptimizerOptions {
   enum class Kind { kAdam, kSgd, kAdagrad };
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
-  // Step size; all kinds. Must be finite and > 0.
+  // Step size; all kinds. Must be finite and > 0. The initial rate when a
+  // schedule is set.
   float learning_rate = 0.001f;
+  LearningRateSchedule schedule;
   // Adam's decay rates of the first and second moments, each in [0, 1).
   float beta_1 = 0.9f, beta_2 = 0.999f;
   // Added to the denominator; Adam and Adagrad. Must be finite and > 0.
@@ -53,6 +77,13 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name)
 
 // Returns the lower-case name ParseOptimizerKind accepts for `kind`.
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
+
+// "constant", "cosine" or "exponential"; INVALID_ARGUMENT listing the choices.
+absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name);
+
+// The learning rate of update number `step` (1-based): the schedule
+// evaluated at step - 1, as Keras evaluates it at iterations.
+double ScheduledLearningRate(const OptimizerOptions& options, int64_t step);
 
 // An update rule with its hyper-parameters. The optimizer holds no per-element
 // state: the caller owns parameters and slots (one float array per slot, the
@@ -74,12 +105,13 @@ class Optimizer {
   // The value each element of slot `slot` must start at: Adagrad's
   // initial_accumulator_value, 0 otherwise. 0 <= slot < num_slots().
   virtual float slot_initial_value(int slot) const = 0;
-  // E.g. "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)".
+  // E.g. "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)",
+  // with ", schedule=cosine(decay_steps=2814, alpha=0)" when one is set.
   virtual std::string DebugString() const = 0;
 
   // Applies one update to `n` contiguous elements, in place.
   //   step:  the 1-based count of this update on these elements (Adam's bias
-  //          correction uses it; must be >= 1 for Adam, ignored otherwise).
+  //          correction and the learning-rate schedule use it; >= 1).
   //   param: n floats, updated in place.
   //   slots: num_slots() pointers, slots[i] -> n floats of slot i for the same
   //          elements, updated in place (may be nullptr when num_slots() == 0).

@@ -2,10 +2,32 @@
 # The main job: builds psflow, then trains the seed model (Conv2D(32,3x3,relu)
 # -> Flatten -> Dense(128,relu) -> Dense(10)) on Debian's Fashion-MNIST with
 # 2 parameter servers and 2 asynchronous workers on this machine, 3 epochs
-# at batch 64 with Adam on the PS, and prints the final test accuracy.
-# Arguments go to the workers (e.g. --model=two_conv --epochs=5).
+# at batch 64, and prints the final test accuracy.
+#
+# The PS runs Adam from 0.0015 with cosine decay to 0 over the planned
+# updates (Keras' CosineDecay; docs/BENCHMARKS.md has the runs that chose it).
+# Arguments go to the workers (e.g. --model=two_conv --epochs=8); the decay
+# follows --epochs and --batch_size given here. PS_FLAGS replaces the
+# optimizer settings (e.g. PS_FLAGS="--learning_rate=0.001" for constant Adam).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 bash "$here/deploy/build.sh"
+
+epochs=3 batch=64 examples=60000 cap=0  # Fashion-MNIST's training set
+for arg in "$@"; do
+  case $arg in
+    --epochs=*) epochs=${arg#*=} ;;
+    --train_steps=*) cap=${arg#*=} ;;
+    --batch_size=*) batch=${arg#*=} ;;
+    --dataset=cifar10) examples=50000 ;;
+  esac
+done
+workers=${NUM_WORKERS:-2}
+per_worker=$(( (examples + workers - 1) / workers ))
+steps=$(( epochs * ((per_worker + batch - 1) / batch) ))  # per worker
+if [ "$cap" -gt 0 ] && [ "$cap" -lt "$steps" ]; then steps=$cap; fi
+decay_steps=$(( workers * steps ))
+export PS_FLAGS=${PS_FLAGS:---learning_rate=0.0015 --learning_rate_schedule=cosine --decay_steps=$decay_steps}
+
 exec bash "$here/deploy/local/run_cluster.sh" --dataset=fashion_mnist --model=seed \
   --batch_size=64 --epochs=3 "$@"

@@ -376,5 +376,97 @@ TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
   EXPECT_TRUE(Optimizer::Create(o).ok());
 }
 
+// ---- Learning-rate schedules (tf.keras.optimizers.schedules). ----
+
+TEST(OptimizerTest, CosineScheduleByHand) {
+  // CosineDecay(0.01, decay_steps=4, alpha=0.2), evaluated at step - 1:
+  //   s=0: 0.01;  s=2: 0.01 * (0.8 * 0.5 + 0.2) = 0.006;  s>=4: 0.002.
+  OptimizerOptions o;
+  o.learning_rate = 0.01f;
+  o.schedule.kind = LearningRateSchedule::Kind::kCosine;
+  o.schedule.decay_steps = 4;
+  o.schedule.alpha = 0.2f;
+  const double lr = static_cast<double>(0.01f), alpha = static_cast<double>(0.2f);
+  EXPECT_NEAR(ScheduledLearningRate(o, 1), lr, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 2), lr * ((1 - alpha) * 0.5 * (1 + std::cos(M_PI / 4)) + alpha),
+              1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 3), lr * ((1 - alpha) * 0.5 + alpha), 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 5), lr * alpha, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 500), lr * alpha, 1e-12);
+  o.schedule.kind = LearningRateSchedule::Kind::kConstant;
+  EXPECT_EQ(ScheduledLearningRate(o, 3), lr);
+}
+
+TEST(OptimizerTest, ExponentialScheduleByHand) {
+  // ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5): 0.1 * 0.5^(s/10).
+  OptimizerOptions o;
+  o.learning_rate = 0.1f;
+  o.schedule.kind = LearningRateSchedule::Kind::kExponential;
+  o.schedule.decay_steps = 10;
+  o.schedule.decay_rate = 0.5f;
+  const double lr = static_cast<double>(0.1f);
+  EXPECT_NEAR(ScheduledLearningRate(o, 1), lr, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 6), lr * std::pow(0.5, 0.5), 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 21), lr * 0.25, 1e-12);
+  o.schedule.staircase = true;
+  EXPECT_NEAR(ScheduledLearningRate(o, 6), lr, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 20), lr * 0.5, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 21), lr * 0.25, 1e-12);
+}
+
+TEST(OptimizerTest, EveryKindAppliesTheScheduledRate) {
+  // Plain SGD and Adagrad with a schedule step exactly as with the constant
+  // rate the schedule gives at that step; Adam's step size scales with it.
+  OptimizerOptions o;
+  o.learning_rate = 0.5f;
+  o.schedule.kind = LearningRateSchedule::Kind::kCosine;
+  o.schedule.decay_steps = 2;
+  const int64_t step = 2;  // s = 1: half way, rate 0.25
+  for (Kind k : {Kind::kSgd, Kind::kAdagrad, Kind::kAdam}) {
+    OptimizerOptions scheduled = o, fixed = o;
+    scheduled.kind = fixed.kind = k;
+    fixed.schedule = {};
+    fixed.learning_rate = static_cast<float>(ScheduledLearningRate(o, step));
+    ASSERT_NEAR(fixed.learning_rate, 0.25f, 1e-7f);
+    std::unique_ptr<Optimizer> a = MustCreate(scheduled), b = MustCreate(fixed);
+    std::vector<float> pa = {1, -2, 3}, pb = pa, g = {0.5f, 0.25f, -1};
+    std::vector<float> sa0(3, a->slot_initial_value(0)), sa1(3, 0.0f), sb0 = sa0, sb1 = sa1;
+    float* slots_a[] = {sa0.data(), sa1.data()};
+    float* slots_b[] = {sb0.data(), sb1.data()};
+    a->Apply(step, pa.data(), slots_a, g.data(), 3);
+    b->Apply(step, pb.data(), slots_b, g.data(), 3);
+    EXPECT_EQ(pa, pb) << OptimizerKindName(k);
+    EXPECT_NE(pa[0], 1.0f) << OptimizerKindName(k);
+  }
+}
+
+TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
+  EXPECT_EQ(*ParseScheduleKind("constant"), LearningRateSchedule::Kind::kConstant);
+  EXPECT_EQ(*ParseScheduleKind("cosine"), LearningRateSchedule::Kind::kCosine);
+  EXPECT_EQ(*ParseScheduleKind("exponential"), LearningRateSchedule::Kind::kExponential);
+  absl::StatusOr<LearningRateSchedule::Kind> bad = ParseScheduleKind("polynomial");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_THAT(bad.status().message(), AllOf(HasSubstr("polynomial"), HasSubstr("cosine")));
+
+  OptimizerOptions o;
+  o.schedule.kind = LearningRateSchedule::Kind::kCosine;
+  ExpectInvalid(o, "decay_steps", "> 0");
+  o.schedule.decay_steps = 100;
+  o.schedule.alpha = 1.5f;
+  ExpectInvalid(o, "alpha", "[0, 1]");
+  o.schedule.alpha = 0.0f;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+            "schedule=cosine(decay_steps=100, alpha=0))");
+  o.schedule.kind = LearningRateSchedule::Kind::kExponential;
+  o.schedule.decay_rate = 0.0f;
+  ExpectInvalid(o, "decay_rate", "> 0");
+  o.schedule.decay_rate = 0.5f;
+  o.kind = Kind::kSgd;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "sgd(learning_rate=0.001, momentum=0, nesterov=false, "
+            "schedule=exponential(decay_steps=100, decay_rate=0.5, staircase=false))");
+}
+
 }  // namespace
 }  // namespace psflow::server
