@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
+#include "common/grpc_wire.h"
 #include "common/status_macros.h"
 #include "common/tensor_checks.h"
 #include "grpcpp/grpcpp.h"
@@ -104,6 +105,9 @@ class GrpcPsClient final : public PsClient {
       shard.stub = ParameterServer::NewStub(shard.channel);
       shard.push_method = std::make_unique<grpc::internal::RpcMethod>(
           "/psflow.ParameterServer/Push", grpc::internal::RpcMethod::CLIENT_STREAMING,
+          shard.channel);
+      shard.pull_method = std::make_unique<grpc::internal::RpcMethod>(
+          "/psflow.ParameterServer/Pull", grpc::internal::RpcMethod::SERVER_STREAMING,
           shard.channel);
       shard.parts = plan_.PartsOnShard(s);
       for (int p : shard.parts) {
@@ -205,6 +209,15 @@ class GrpcPsClient final : public PsClient {
   }
 
  private:
+  // One received Pull message: its slices (references, no copy) and the
+  // decoded segments pointing into them.
+  struct PullBuffers {
+    grpc::ByteBuffer buffer;
+    std::vector<grpc::Slice> slices;
+    std::vector<absl::string_view> pieces;
+    wire::DecodedMessage msg;
+  };
+
   struct Shard {
     std::string name;
     std::shared_ptr<grpc::Channel> channel;
@@ -212,8 +225,9 @@ class GrpcPsClient final : public PsClient {
     std::unique_ptr<grpc::internal::RpcMethod> push_method;  // Push with ByteBuffer messages
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    // Reused across calls so that its buffers are allocated once.
-    PullResponse pull_msg;
+    std::unique_ptr<grpc::internal::RpcMethod> pull_method;  // Pull with ByteBuffer messages
+    // Reused across calls so that their vectors are allocated once.
+    PullBuffers pull_in;
   };
 
   absl::Status CheckCount(size_t n, const char* what) const {
@@ -349,35 +363,52 @@ class GrpcPsClient final : public PsClient {
     PullRequest request;
     request.set_worker_id(options_.worker_id);
     request.set_max_chunk_bytes(options_.max_chunk_bytes);
-    auto reader = shard.stub->Pull(&context, request);
+    // What the generated stub does, reading raw ByteBuffers: each segment's
+    // data is copied once, from gRPC's slices straight into the tensor.
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+            shard.channel.get(), *shard.pull_method, &context, request));
     int64_t received = 0, expected = 0;
     for (int p : shard.parts) expected += plan_.parts()[p].num_elements();
     bool first = true;
-    PullResponse& msg = shard.pull_msg;
+    PullBuffers& in = shard.pull_in;
     absl::Status bad;
-    while (bad.ok() && reader->Read(&msg)) {
-      for (int i = 0; i < msg.segments_size(); ++i) {
-        const Segment& segment = msg.segments(i);
-        auto it = shard.by_name.find(segment.variable());
-        const int64_t count = static_cast<int64_t>(segment.data().size() / 4);
+    while (bad.ok() && reader->Read(&in.buffer)) {
+      bad = wire::DumpPieces(in.buffer, &in.slices, &in.pieces);
+      if (bad.ok()) bad = wire::Decode(wire::MessageKind::kPullResponse, in.pieces, &in.msg);
+      if (!bad.ok()) {
+        bad = absl::DataLossError(
+            absl::StrCat(shard.name, " sent a malformed Pull response: ", bad.message()));
+        break;
+      }
+      const wire::DecodedMessage& msg = in.msg;
+      for (size_t i = 0; i < msg.num_segments; ++i) {
+        const wire::DecodedSegment& segment = msg.segments[i];
+        auto it = shard.by_name.find(segment.variable);
         if (it == shard.by_name.end()) continue;  // a variable of another model: not ours
+        const int64_t count = segment.data_bytes / 4;
         const Part& part = plan_.parts()[it->second];
-        if (segment.offset() < 0 || segment.offset() + count > part.num_elements()) {
-          bad = absl::DataLossError(absl::StrCat(shard.name, " sent elements [", segment.offset(),
-                                                 ",", segment.offset() + count, ") of '",
-                                                 segment.variable(), "' whose part has ",
-                                                 part.num_elements()));
+        if (segment.data_bytes % 4 != 0 || segment.offset < 0 ||
+            segment.offset + count > part.num_elements()) {
+          bad = absl::DataLossError(absl::StrCat(
+              shard.name, " sent ", segment.data_bytes, " bytes at element ", segment.offset,
+              " of '", segment.variable, "' whose part has ", part.num_elements(),
+              " float32 elements"));
           break;
         }
-        std::memcpy(values[part.variable_index] + part.elem_begin + segment.offset(),
-                    segment.data().data(), count * 4);
+        msg.CopyData(segment, values[part.variable_index] + part.elem_begin + segment.offset);
         received += count;
-        const int64_t version = i < msg.versions_size() ? msg.versions(i) : 0;
+        const int64_t version = i < msg.versions.size() ? msg.versions[i] : 0;
         result->min_version = first ? version : std::min(result->min_version, version);
         result->max_version = first ? version : std::max(result->max_version, version);
         first = false;
       }
     }
+    // Drop the references to gRPC's slices before the call ends.
+    in.msg.Clear();
+    in.pieces.clear();
+    in.slices.clear();
+    in.buffer.Clear();
     if (!bad.ok()) {
       context.TryCancel();
       reader->Finish();
