@@ -58,7 +58,7 @@ void ToProto(const PartDefinition& def, PartDef* out) {
 
 }  // namespace
 
-// Buffers for pull responses (and push scratch), reused across calls so the
+// Buffers for pull responses, reused across calls so the
 // hot path touches no fresh memory. A buffer handed to gRPC as a slice comes
 // back through the slice's destroy callback, from whatever thread drops the
 // last reference; each buffer keeps the pool alive until then.
@@ -198,7 +198,9 @@ class ApplierPool {
 class PsServer::Service final : public grpc::Service {
  public:
   Service(VariableStore* store, int apply_threads)
-      : store_(store), pool_(std::make_shared<BufferPool>()), appliers_(apply_threads) {
+      : store_(store),
+        pool_(std::make_shared<BufferPool>()),
+        appliers_(apply_threads > 0 ? std::make_unique<ApplierPool>(apply_threads) : nullptr) {
     using grpc::internal::RpcMethod;
     using grpc::internal::RpcServiceMethod;
     AddMethod(new RpcServiceMethod(
@@ -310,48 +312,79 @@ class PsServer::Service final : public grpc::Service {
     return true;
   }
 
+  // A run of whole float32 values of one segment: elements
+  // [offset, offset + count) of its variable, at any byte alignment.
+  struct GradPiece {
+    const char* data;
+    int64_t offset;
+    int64_t count;
+  };
+
   // Validates every segment of one message, then applies them all (nothing of
-  // a message that fails validation is applied). Segments whose data lies in
-  // one float-aligned run are read in place; the others are first gathered
-  // into `*scratch` (pooled, grown as needed).
+  // a message that fails validation is applied). The optimizer reads each
+  // segment where gRPC received it, run by run (a run is one slice's share of
+  // the segment); only a value split across two slices is first put together
+  // in `stitched`, 4 bytes at a time.
   absl::Status ApplyPush(const wire::DecodedMessage& msg, VariableStore::PushSession* session,
-                         BufferPool::Buffer** scratch, std::vector<const void*>* data) {
-    size_t need = 0;
+                         std::vector<GradPiece>* pieces, std::vector<float>* stitched) {
+    pieces->clear();
+    stitched->clear();
+    size_t runs = 0;
+    for (size_t i = 0; i < msg.num_segments; ++i) runs += msg.segments[i].num_runs;
+    stitched->reserve(runs);  // pieces point into it: it must not reallocate
+    std::vector<size_t> first_piece(msg.num_segments + 1);
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
+      first_piece[i] = pieces->size();
       if (seg.data_bytes % 4 != 0) {
         return absl::InvalidArgumentError(
             absl::StrCat("segment of '", seg.variable, "' has ", seg.data_bytes,
                          " bytes of data; expected a multiple of 4 (float32 values)"));
       }
-      need += static_cast<size_t>(seg.data_bytes);
+      int64_t element = seg.offset;
+      char carry[4];
+      size_t carried = 0;
+      for (size_t r = seg.first_run; r < seg.first_run + seg.num_runs; ++r) {
+        const char* p = msg.data_runs[r].data();
+        size_t left = msg.data_runs[r].size();
+        if (carried > 0) {  // finish the value the previous run began
+          const size_t take = std::min(left, 4 - carried);
+          std::memcpy(carry + carried, p, take);
+          carried += take;
+          p += take;
+          left -= take;
+          if (carried < 4) continue;
+          float v;
+          std::memcpy(&v, carry, 4);
+          stitched->push_back(v);
+          pieces->push_back({reinterpret_cast<const char*>(&stitched->back()), element, 1});
+          ++element;
+          carried = 0;
+        }
+        const int64_t whole = static_cast<int64_t>(left / 4);
+        if (whole > 0) pieces->push_back({p, element, whole});
+        element += whole;
+        carried = left % 4;
+        std::memcpy(carry, p + 4 * whole, carried);
+      }
     }
-    if (*scratch == nullptr || (*scratch)->capacity < need) {
-      if (*scratch != nullptr) BufferPool::Return(*scratch);
-      *scratch = pool_->Get(std::max<size_t>(need, 1));
-    }
-    data->clear();
-    size_t used = 0;
+    first_piece[msg.num_segments] = pieces->size();
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
-      if (seg.num_runs == 1 &&
-          reinterpret_cast<uintptr_t>(msg.data_runs[seg.first_run].data()) % 4 == 0) {
-        data->push_back(msg.data_runs[seg.first_run].data());
-      } else {
-        msg.CopyData(seg, (*scratch)->data.get() + used);
-        data->push_back((*scratch)->data.get() + used);
-        used += static_cast<size_t>(seg.data_bytes);
+      PSFLOW_RETURN_IF_ERROR(session->ValidateRange(seg.variable, seg.offset, seg.data_bytes / 4));
+      for (size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
+        const GradPiece& piece = (*pieces)[k];
+        PSFLOW_RETURN_IF_ERROR(
+            session->Validate(seg.variable, piece.offset, piece.data, piece.count));
       }
     }
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
-      PSFLOW_RETURN_IF_ERROR(
-          session->Validate(seg.variable, seg.offset, (*data)[i], seg.data_bytes / 4));
-    }
-    for (size_t i = 0; i < msg.num_segments; ++i) {
-      const wire::DecodedSegment& seg = msg.segments[i];
-      PSFLOW_RETURN_IF_ERROR(
-          session->Apply(seg.variable, seg.offset, (*data)[i], seg.data_bytes / 4));
+      for (size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
+        const GradPiece& piece = (*pieces)[k];
+        PSFLOW_RETURN_IF_ERROR(session->Apply(seg.variable, piece.offset, piece.data, piece.count,
+                                              /*values_checked=*/true));
+      }
       bytes_received_ += seg.data_bytes;
     }
     return absl::OkStatus();
@@ -371,18 +404,24 @@ class PsServer::Service final : public grpc::Service {
     }
     const wire::PushHeaderFields& h = slots[0].msg.header;
     auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
-    BufferPool::Buffer* scratch = nullptr;
-    std::vector<const void*> data;
+    std::vector<GradPiece> pieces;
+    std::vector<float> stitched;
     absl::Status status;
     int cur = 0;
     while (true) {
       PushMessage& applying = slots[cur];
       PushMessage& next = slots[1 - cur];
-      ApplierPool::Ticket ticket = appliers_.Run([&] {
-        return ApplyPush(applying.msg, session.get(), &scratch, &data);
-      });
-      absl::StatusOr<bool> more = ReadPush(reader, &next);
-      status = ticket.Wait();
+      absl::StatusOr<bool> more = false;
+      if (appliers_ == nullptr) {  // one stage: apply, then read the next message
+        status = ApplyPush(applying.msg, session.get(), &pieces, &stitched);
+        if (status.ok()) more = ReadPush(reader, &next);
+      } else {
+        ApplierPool::Ticket ticket = appliers_->Run([&] {
+          return ApplyPush(applying.msg, session.get(), &pieces, &stitched);
+        });
+        more = ReadPush(reader, &next);
+        status = ticket.Wait();
+      }
       if (status.ok() && !more.ok()) status = more.status();
       if (!status.ok() || !*more) break;
       cur = 1 - cur;
@@ -390,7 +429,6 @@ class PsServer::Service final : public grpc::Service {
     if (status.ok() && context->IsCancelled()) {
       status = absl::CancelledError("Push: the stream broke before it was complete");
     }
-    if (scratch != nullptr) BufferPool::Return(scratch);
     session->Finish(status);
     PSFLOW_RETURN_IF_ERROR(status);
     response->set_elements_applied(session->elements_applied());
@@ -488,7 +526,7 @@ class PsServer::Service final : public grpc::Service {
 
   VariableStore* const store_;
   const std::shared_ptr<BufferPool> pool_;
-  ApplierPool appliers_;
+  const std::unique_ptr<ApplierPool> appliers_;  // null: apply on the handler thread
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };
@@ -497,10 +535,11 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   auto server = std::unique_ptr<PsServer>(new PsServer());
   server->options_ = options;
   PSFLOW_ASSIGN_OR_RETURN(server->store_, VariableStore::Create(options.store));
+  // By default the pipeline runs where there are cores to spare for it; on
+  // 1-3 cores the hand-off between threads costs more than the overlap gains.
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int apply_threads =
-      options.apply_threads > 0
-          ? options.apply_threads
-          : static_cast<int>(std::clamp(std::thread::hardware_concurrency(), 2u, 16u));
+      options.apply_threads >= 0 ? options.apply_threads : (cores >= 4 ? std::min(cores, 16) : 0);
   server->service_ = std::make_unique<Service>(server->store_.get(), apply_threads);
 
   grpc::EnableDefaultHealthCheckService(true);

@@ -25,8 +25,9 @@ struct PsServerOptions {
   // Most threads gRPC may use to serve calls; 0 leaves gRPC's default.
   int threads = 0;
   // Threads that apply pushed gradients while the next chunks are read;
-  // 0 picks the number of cores (at least 2, at most 16).
-  int apply_threads = 0;
+  // 0 applies on the thread that reads (no pipeline); -1 picks one per core
+  // (at most 16) on machines with 4 or more cores, else 0.
+  int apply_threads = -1;
 };
 
 // Thread-safe.

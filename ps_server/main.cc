@@ -50,9 +50,9 @@ ABSL_FLAG(double, momentum, 0.0, "SGD: momentum (0 = plain SGD).");
 ABSL_FLAG(bool, nesterov, false, "SGD: Nesterov momentum.");
 ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator value.");
 ABSL_FLAG(int, threads, 0, "Most threads serving calls (0 = gRPC's default).");
-ABSL_FLAG(int, apply_threads, 0,
-          "Threads applying pushed gradients while the next chunks arrive "
-          "(0 = one per core, 2 to 16).");
+ABSL_FLAG(int, apply_threads, -1,
+          "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
+          "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0).");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
           "Largest tensor data accepted in one stream message, and the largest sent in a Pull.");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,

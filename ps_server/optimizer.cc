@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -21,15 +22,24 @@ namespace {
 // vectorizes them (-O3; -fno-math-errno lets std::sqrt become vsqrtps); the
 // __restrict qualifiers tell it the arrays do not overlap. They are memory
 // bound: each element is read once and written once.
+// Gradients come straight out of received messages at any byte alignment,
+// so the kernels read them with memcpy (an unaligned vector load), never
+// through a float pointer.
+inline float LoadFloat(const char* g, int64_t i) {
+  float x;
+  std::memcpy(&x, g + 4 * i, 4);
+  return x;
+}
+
 #define PSFLOW_KERNEL_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 PSFLOW_KERNEL_CLONES
 void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
-                const float* __restrict g, int64_t n, float alpha, float one_minus_beta_1,
+                const char* __restrict g, int64_t n, float alpha, float one_minus_beta_1,
                 float one_minus_beta_2, float epsilon) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = LoadFloat(g, i);
     const float mi = m[i] + (gi - m[i]) * one_minus_beta_1;
     const float vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
     m[i] = mi;
@@ -39,25 +49,25 @@ void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
 }
 
 PSFLOW_KERNEL_CLONES
-void SgdKernel(float* __restrict p, const float* __restrict g, int64_t n, float lr) {
-  for (int64_t i = 0; i < n; ++i) p[i] -= lr * g[i];
+void SgdKernel(float* __restrict p, const char* __restrict g, int64_t n, float lr) {
+  for (int64_t i = 0; i < n; ++i) p[i] -= lr * LoadFloat(g, i);
 }
 
 PSFLOW_KERNEL_CLONES
-void SgdMomentumKernel(float* __restrict p, float* __restrict m, const float* __restrict g,
+void SgdMomentumKernel(float* __restrict p, float* __restrict m, const char* __restrict g,
                        int64_t n, float lr, float momentum) {
   for (int64_t i = 0; i < n; ++i) {
-    const float mi = momentum * m[i] - lr * g[i];
+    const float mi = momentum * m[i] - lr * LoadFloat(g, i);
     m[i] = mi;
     p[i] += mi;
   }
 }
 
 PSFLOW_KERNEL_CLONES
-void SgdNesterovKernel(float* __restrict p, float* __restrict m, const float* __restrict g,
+void SgdNesterovKernel(float* __restrict p, float* __restrict m, const char* __restrict g,
                        int64_t n, float lr, float momentum) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = LoadFloat(g, i);
     const float mi = momentum * m[i] - lr * gi;
     m[i] = mi;
     p[i] += momentum * mi - lr * gi;
@@ -65,10 +75,10 @@ void SgdNesterovKernel(float* __restrict p, float* __restrict m, const float* __
 }
 
 PSFLOW_KERNEL_CLONES
-void AdagradKernel(float* __restrict p, float* __restrict acc, const float* __restrict g,
+void AdagradKernel(float* __restrict p, float* __restrict acc, const char* __restrict g,
                    int64_t n, float lr, float epsilon) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = g[i];
+    const float gi = LoadFloat(g, i);
     const float ai = acc[i] + gi * gi;
     acc[i] = ai;
     p[i] -= (lr * gi) / std::sqrt(ai + epsilon);
@@ -100,8 +110,9 @@ class Adam final : public Optimizer {
                            o_.learning_rate, o_.beta_1, o_.beta_2, o_.epsilon,
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
+    const char* grad = static_cast<const char*>(grad_data);
     // Bias correction folded into the step size, as Keras does; in double
     // so that 1 - beta^t keeps its digits for large t.
     const double t = static_cast<double>(step);
@@ -127,8 +138,9 @@ class Sgd final : public Optimizer {
                            o_.momentum, o_.nesterov ? "true" : "false",
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
+    const char* grad = static_cast<const char*>(grad_data);
     const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
     if (o_.momentum == 0.0f) {
       // Keras skips the momentum slot entirely here, nesterov or not.
@@ -154,8 +166,9 @@ class Adagrad final : public Optimizer {
                            o_.learning_rate, o_.initial_accumulator_value, o_.epsilon,
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
+    const char* grad = static_cast<const char*>(grad_data);
     AdagradKernel(param, slots[0], grad, n, static_cast<float>(ScheduledLearningRate(o_, step)),
                   o_.epsilon);
   }

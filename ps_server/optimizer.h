@@ -115,10 +115,10 @@ class Optimizer {
   //   param: n floats, updated in place.
   //   slots: num_slots() pointers, slots[i] -> n floats of slot i for the same
   //          elements, updated in place (may be nullptr when num_slots() == 0).
-  //   grad:  n floats, read only; need not be aligned (e.g. straight out of a
-  //          received message).
+  //   grad:  n float32 values (4n bytes), read only, at any byte alignment
+  //          (e.g. straight out of a received message).
   // param, the slots and grad must not overlap. n may be 0.
-  virtual void Apply(int64_t step, float* param, float* const* slots, const float* grad,
+  virtual void Apply(int64_t step, float* param, float* const* slots, const void* grad,
                      int64_t n) const = 0;
 
  protected:

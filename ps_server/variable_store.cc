@@ -120,7 +120,7 @@ absl::Status VariableStore::CheckSegment(const Part& part, int64_t offset, const
         " elements (", part.def.DebugString(), ")"));
   }
   if (check_values) {
-    const int64_t bad = FirstNonFinite(static_cast<const float*>(data), count);
+    const int64_t bad = FirstNonFinite(data, count);
     if (bad >= 0) {
       float v;
       std::memcpy(&v, static_cast<const char*>(data) + 4 * bad, 4);
@@ -272,20 +272,21 @@ absl::Status VariableStore::PushSession::Validate(absl::string_view variable, in
                               !store_->options_.allow_non_finite_gradients);
 }
 
-absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64_t offset,
-                                               const void* data, int64_t count) {
+absl::Status VariableStore::PushSession::ValidateRange(absl::string_view variable,
+                                                       int64_t offset, int64_t count) {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
-  PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(*part, offset, data, count,
-                                              !store_->options_.allow_non_finite_gradients));
+  return store_->CheckSegment(*part, offset, nullptr, count, false);
+}
+
+absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64_t offset,
+                                               const void* data, int64_t count,
+                                               bool values_checked) {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
+  PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(
+      *part, offset, data, count,
+      !values_checked && !store_->options_.allow_non_finite_gradients));
   if (count == 0) return absl::OkStatus();
-  // Protobuf's bytes are malloc'd and so float-aligned; copy if ever not.
-  std::vector<float> aligned;
-  const float* grad = static_cast<const float*>(data);
-  if (reinterpret_cast<uintptr_t>(data) % alignof(float) != 0) {
-    aligned.resize(count);
-    std::memcpy(aligned.data(), data, count * 4);
-    grad = aligned.data();
-  }
+  const void* grad = data;  // the kernels read it at any alignment
   absl::MutexLock entry_lock(&entry_->mu);
   LedgerEntry::Progress& progress = entry_->progress[part];
   if (offset + count <= progress.applied) {

@@ -142,14 +142,19 @@ class VariableStore {
   class PushSession {
    public:
     ~PushSession();
-    // `data` holds `count` float32 gradient values for elements
-    // [offset, offset+count) of `variable`'s part.
+    // `data` holds `count` float32 gradient values (any byte alignment) for
+    // elements [offset, offset+count) of `variable`'s part. With
+    // `values_checked` the caller has passed the same data to Validate()
+    // already, and the NaN/Inf scan is not repeated (ranges still are).
     absl::Status Apply(absl::string_view variable, int64_t offset, const void* data,
-                       int64_t count);
+                       int64_t count, bool values_checked = false);
     // Checks a segment without applying it (used to validate a whole message
     // before any of its segments is applied).
     absl::Status Validate(absl::string_view variable, int64_t offset, const void* data,
                           int64_t count);
+    // Checks only that the variable exists and that elements
+    // [offset, offset+count) lie in its part and fit one segment.
+    absl::Status ValidateRange(absl::string_view variable, int64_t offset, int64_t count);
     // Records the outcome: a session that saw an error counts as rejected.
     void Finish(const absl::Status& status);
     int64_t elements_applied() const { return applied_; }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -374,6 +375,29 @@ TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
   o.epsilon = 1e-7f;
   o.initial_accumulator_value = 0.0f;
   EXPECT_TRUE(Optimizer::Create(o).ok());
+}
+
+TEST(OptimizerTest, GradientAtAnyByteAlignmentGivesTheSameUpdate) {
+  // Received gradients sit wherever the message put them.
+  const int64_t n = 37;
+  std::vector<float> g(n);
+  for (int64_t i = 0; i < n; ++i) g[i] = 0.1f * static_cast<float>(i) - 1.7f;
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+    OptimizerOptions o;
+    o.kind = k;
+    std::unique_ptr<Optimizer> opt = MustCreate(o);
+    std::vector<float> want(n, 0.5f), w0(n, opt->slot_initial_value(0)), w1(n, 0.0f);
+    float* want_slots[] = {w0.data(), w1.data()};
+    opt->Apply(1, want.data(), want_slots, g.data(), n);
+    for (int shift = 1; shift < 4; ++shift) {
+      std::vector<char> bytes(4 * n + 4);
+      std::memcpy(bytes.data() + shift, g.data(), 4 * n);
+      std::vector<float> p(n, 0.5f), s0(n, opt->slot_initial_value(0)), s1(n, 0.0f);
+      float* slots[] = {s0.data(), s1.data()};
+      opt->Apply(1, p.data(), slots, bytes.data() + shift, n);
+      EXPECT_EQ(p, want) << OptimizerKindName(k) << " shift " << shift;
+    }
+  }
 }
 
 // ---- Learning-rate schedules (tf.keras.optimizers.schedules). ----
