@@ -45,6 +45,8 @@ ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
 ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"}),
           "Shard counts to run, comma-separated.");
+ABSL_FLAG(std::vector<std::string>, ps_flags, {},
+          "Extra ps_server flags, comma-separated (e.g. --apply_threads=2).");
 ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 
 extern char** environ;
@@ -195,6 +197,7 @@ void StartCluster(const std::string& binary, int shards, bool unix_socket, Clust
                                      absl::StrCat("--shard_index=", s),
                                      absl::StrCat("--num_shards=", shards),
                                      absl::StrCat("--optimizer=", absl::GetFlag(FLAGS_optimizer))};
+    for (const std::string& f : absl::GetFlag(FLAGS_ps_flags)) args.push_back(f);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
