@@ -3,13 +3,16 @@
 # it is missing (as root, or through sudo). Nothing else is downloaded: the
 # data set is Debian's dataset-fashion-mnist package. The CUDA toolkit is
 # optional and never installed here: CMake builds the CUDA backend when it
-# finds /usr/local/cuda.
+# finds /usr/local/cuda. ocl-icd-opencl-dev is only a Recommends of
+# libdnnl-dev, but Debian's dnnl-config.cmake calls find_package(OpenCL
+# REQUIRED) (its oneDNN is built with the OpenCL GPU runtime), so without it
+# CMake stops at find_package(dnnl).
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
-  libdnnl-dev zlib1g-dev
+  libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   dataset-fashion-mnist
 )
 missing=()
