@@ -9,7 +9,10 @@
 // in, Adam applied on the PS) and of a pull, their GB/s, and their ratio to
 // the raw socket transfer; then the small-variable overhead (200 small
 // variables vs. the same bytes in one) and each shard's resident memory
-// against 3.2x its parameter bytes + 64 MiB.
+// against 3.2x its parameter bytes + 64 MiB. The raw transfer, the push and
+// the pull take turns in batches (--batch), so that on a shared machine all
+// three see the same conditions, and each is reported with the CPU time it
+// cost the client and the shards.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -34,12 +37,16 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/process_stats.h"
 #include "worker/grpc_ps_client.h"
 
 ABSL_FLAG(std::string, ps_server, "", "Path of the ps_server binary (default: next to this one).");
 ABSL_FLAG(int, iterations, 30, "Timed iterations per measurement.");
 ABSL_FLAG(int, warmup, 5, "Untimed iterations first.");
+ABSL_FLAG(int, batch, 5,
+          "Iterations of one operation in a row; the raw transfer, push and pull take turns "
+          "in batches of this size.");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Client chunk size.");
 ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
@@ -47,6 +54,8 @@ ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"})
           "Shard counts to run, comma-separated.");
 ABSL_FLAG(std::vector<std::string>, ps_flags, {},
           "Extra ps_server flags, comma-separated (e.g. --apply_threads=2).");
+ABSL_FLAG(std::string, ops, "push,pull",
+          "Operations to time (push, pull); e.g. push alone while profiling the shards.");
 ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 
 extern char** environ;
@@ -55,29 +64,58 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Timing {
-  double median_s = 0, mean_s = 0, min_s = 0;
+// Wall times of one operation and the CPU time it cost, gathered over
+// several batches.
+struct OpStats {
+  std::vector<double> times;  // seconds, one per timed iteration
+  double self_cpu_s = 0;      // this process (client or raw sender + receiver)
+  double server_cpu_s = 0;    // the ps_server processes
 };
 
-Timing Summarize(std::vector<double> t) {
-  std::sort(t.begin(), t.end());
+struct Timing {
+  double median_s = 0, mean_s = 0;
+  double self_cpu_s = 0, server_cpu_s = 0;  // per iteration
+};
+
+Timing Summarize(const OpStats& s) {
   Timing out;
+  if (s.times.empty()) return out;
+  std::vector<double> t = s.times;
+  std::sort(t.begin(), t.end());
   out.median_s = t[t.size() / 2];
   out.mean_s = std::accumulate(t.begin(), t.end(), 0.0) / t.size();
-  out.min_s = t.front();
+  out.self_cpu_s = s.self_cpu_s / t.size();
+  out.server_cpu_s = s.server_cpu_s / t.size();
   return out;
 }
 
+// CPU seconds (user + system, all threads) that process `pid` has used,
+// from its CPU-time clock (nanosecond resolution); 0 if unknown.
+double CpuSeconds(pid_t pid) {
+  clockid_t clock;
+  timespec ts;
+  if (clock_getcpuclockid(pid, &clock) != 0 || clock_gettime(clock, &ts) != 0) return 0;
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+double CpuSeconds(const std::vector<pid_t>& pids) {
+  double total = 0;
+  for (pid_t p : pids) total += CpuSeconds(p);
+  return total;
+}
+
+// Times `count` calls of fn into `stats`, with the CPU time they took here
+// and in `servers`.
 template <typename F>
-Timing Measure(int warmup, int iterations, F fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  std::vector<double> times;
-  for (int i = 0; i < iterations; ++i) {
+void TimeBatch(int count, F fn, const std::vector<pid_t>& servers, OpStats* stats) {
+  const double self0 = CpuSeconds(getpid()), server0 = CpuSeconds(servers);
+  for (int i = 0; i < count; ++i) {
     const auto start = Clock::now();
     fn();
-    times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    stats->times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
-  return Summarize(times);
+  stats->self_cpu_s += CpuSeconds(getpid()) - self0;
+  stats->server_cpu_s += CpuSeconds(servers) - server0;
 }
 
 void Die(const std::string& what) {
@@ -104,59 +142,75 @@ void ReadAll(int fd, char* p, size_t n) {
   }
 }
 
-Timing SocketLimit(bool unix_socket, size_t bytes, int warmup, int iterations) {
-  int listener;
-  sockaddr_storage addr{};
-  socklen_t len;
-  std::string path;
-  if (unix_socket) {
-    listener = ::socket(AF_UNIX, SOCK_STREAM, 0);
-    path = absl::StrCat("/tmp/psflow_bench_raw_", getpid(), ".sock");
-    ::unlink(path.c_str());
-    auto* un = reinterpret_cast<sockaddr_un*>(&addr);
-    un->sun_family = AF_UNIX;
-    std::strncpy(un->sun_path, path.c_str(), sizeof(un->sun_path) - 1);
-    len = sizeof(sockaddr_un);
-  } else {
-    listener = ::socket(AF_INET, SOCK_STREAM, 0);
-    auto* in = reinterpret_cast<sockaddr_in*>(&addr);
-    in->sin_family = AF_INET;
-    in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    in->sin_port = 0;
-    len = sizeof(sockaddr_in);
-  }
-  if (::bind(listener, reinterpret_cast<sockaddr*>(&addr), len) != 0) Die("bind failed");
-  ::listen(listener, 1);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int total = warmup + iterations;
-  std::thread receiver([&] {
-    int fd = ::accept(listener, nullptr, nullptr);
-    std::vector<char> buf(bytes);  // reused, like the PS's buffers
-    for (int i = 0; i < total; ++i) {
-      ReadAll(fd, buf.data(), bytes);
-      char ack = 1;
-      WriteAll(fd, &ack, 1);
+// A connected socket pair over loopback (TCP with TCP_NODELAY, or a unix
+// socket): Transfer() sends `bytes` one way into a reused buffer on a
+// receiver thread and waits for its 1-byte acknowledgement.
+class RawLink {
+ public:
+  RawLink(bool unix_socket, size_t bytes) : bytes_(bytes), data_(bytes, 7) {
+    sockaddr_storage addr{};
+    socklen_t len;
+    if (unix_socket) {
+      listener_ = ::socket(AF_UNIX, SOCK_STREAM, 0);
+      path_ = absl::StrCat("/tmp/psflow_bench_raw_", getpid(), ".sock");
+      ::unlink(path_.c_str());
+      auto* un = reinterpret_cast<sockaddr_un*>(&addr);
+      un->sun_family = AF_UNIX;
+      std::strncpy(un->sun_path, path_.c_str(), sizeof(un->sun_path) - 1);
+      len = sizeof(sockaddr_un);
+    } else {
+      listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+      auto* in = reinterpret_cast<sockaddr_in*>(&addr);
+      in->sin_family = AF_INET;
+      in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      in->sin_port = 0;
+      len = sizeof(sockaddr_in);
     }
-    ::close(fd);
-  });
-  int fd = ::socket(unix_socket ? AF_UNIX : AF_INET, SOCK_STREAM, 0);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0) Die("connect failed");
-  if (!unix_socket) {
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), len) != 0) Die("bind failed");
+    ::listen(listener_, 1);
+    ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
+    receiver_ = std::thread([this] {
+      int fd = ::accept(listener_, nullptr, nullptr);
+      std::vector<char> buf(bytes_);  // reused, like the PS's buffers
+      while (true) {
+        size_t got = 0;
+        while (got < bytes_) {
+          const ssize_t r = ::recv(fd, buf.data() + got, bytes_ - got, 0);
+          if (r <= 0) break;
+          got += r;
+        }
+        if (got < bytes_) break;  // the sender closed: done
+        char ack = 1;
+        WriteAll(fd, &ack, 1);
+      }
+      ::close(fd);
+    });
+    fd_ = ::socket(unix_socket ? AF_UNIX : AF_INET, SOCK_STREAM, 0);
+    if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), len) != 0) Die("connect failed");
+    if (!unix_socket) {
+      int one = 1;
+      ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    }
   }
-  std::vector<char> data(bytes, 7);
-  Timing t = Measure(warmup, iterations, [&] {
-    WriteAll(fd, data.data(), bytes);
+  ~RawLink() {
+    ::close(fd_);
+    receiver_.join();
+    ::close(listener_);
+    if (!path_.empty()) ::unlink(path_.c_str());
+  }
+  void Transfer() {
+    WriteAll(fd_, data_.data(), bytes_);
     char ack;
-    ReadAll(fd, &ack, 1);
-  });
-  receiver.join();
-  ::close(fd);
-  ::close(listener);
-  if (!path.empty()) ::unlink(path.c_str());
-  return t;
-}
+    ReadAll(fd_, &ack, 1);
+  }
+
+ private:
+  const size_t bytes_;
+  std::vector<char> data_;
+  int listener_ = -1, fd_ = -1;
+  std::string path_;
+  std::thread receiver_;
+};
 
 // ---- ps_server processes ----
 
@@ -227,12 +281,21 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing push, pull;
+  Timing raw, push, pull;
   std::vector<psflow::StatusResponse> status;
 };
 
+// Starts `shards` ps_server processes, registers `vars`, and times the
+// operations of --ops. With `raw` the socket transfer is timed too. Each
+// round runs a batch of every operation in turn, so all of them see the
+// same state of this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
-             const std::vector<psflow::VariableSpec>& vars, int warmup, int iterations) {
+             const std::vector<psflow::VariableSpec>& vars, RawLink* raw) {
+  const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
+  const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
+  const std::string ops = absl::GetFlag(FLAGS_ops);
+  const bool do_push = ops.find("push") != std::string::npos;
+  const bool do_pull = ops.find("pull") != std::string::npos;
   Cluster cluster;
   StartCluster(binary, shards, unix_socket, &cluster);
   psflow::worker::GrpcPsClientOptions options;
@@ -252,16 +315,31 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   std::vector<const float*> init(vp.begin(), vp.end());
   absl::Status st = (*client)->Register(init);
   if (!st.ok()) Die(std::string(st.message()));
-  Run run;
   int64_t step = 0;
-  run.push = Measure(warmup, iterations, [&] {
+  auto push = [&] {
     absl::Status s = (*client)->Push(gp, {++step, 0});
     if (!s.ok()) Die(std::string(s.message()));
-  });
-  run.pull = Measure(warmup, iterations, [&] {
+  };
+  auto pull = [&] {
     auto r = (*client)->Pull(vp);
     if (!r.ok()) Die(std::string(r.status().message()));
-  });
+  };
+  for (int i = 0; i < warmup; ++i) {
+    if (raw != nullptr) raw->Transfer();
+    if (do_push) push();
+    if (do_pull) pull();
+  }
+  OpStats raw_stats, push_stats, pull_stats;
+  for (int done = 0; done < iterations; done += batch) {
+    const int n = std::min(batch, iterations - done);
+    if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
+    if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
+    if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
+  }
+  Run run;
+  run.raw = Summarize(raw_stats);
+  run.push = Summarize(push_stats);
+  run.pull = Summarize(pull_stats);
   auto status = (*client)->GetStatus();
   if (status.ok()) run.status = *status;
   return run;
@@ -291,31 +369,36 @@ int main(int argc, char** argv) {
               static_cast<long long>(elements), bytes / 1e6, iterations, warmup,
               static_cast<long long>(absl::GetFlag(FLAGS_chunk_bytes)),
               absl::GetFlag(FLAGS_optimizer).c_str());
-  std::printf("%-6s %-7s %-5s %10s %10s %9s %8s\n", "xport", "shards", "op", "median_ms",
-              "mean_ms", "GB/s", "vs_raw");
+  // cpu_ms: CPU time per operation, user + system: the client (or, for
+  // raw, the sender and receiver threads) and the ps_server processes.
+  std::printf("%-6s %-7s %-5s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op",
+              "median_ms", "mean_ms", "GB/s", "vs_raw", "client_cpu_ms", "server_cpu_ms");
   const std::string transports = absl::GetFlag(FLAGS_transports);
+  auto print = [&](const char* xport, const std::string& shards, const char* op,
+                   const Timing& t, const Timing& raw) {
+    if (t.median_s == 0) return;  // not run (--ops)
+    const double gbs = bytes / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
+    std::printf("%-6s %-7s %-5s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
+                op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
+                &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
+    if (&t == &raw) return;
+    std::printf("JSON {\"transport\":\"%s\",\"shards\":%s,\"op\":\"%s\",\"median_ms\":%.3f,"
+                "\"mean_ms\":%.3f,\"gbps\":%.3f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
+                "\"client_cpu_ms\":%.3f,\"server_cpu_ms\":%.3f,\"raw_cpu_ms\":%.3f}\n",
+                xport, shards.c_str(), op, t.median_s * 1e3, t.mean_s * 1e3, gbs, raw_gbs,
+                gbs / raw_gbs, t.self_cpu_s * 1e3, t.server_cpu_s * 1e3, raw.self_cpu_s * 1e3);
+  };
   for (bool unix_socket : {false, true}) {
     const char* name = unix_socket ? "unix" : "tcp";
     if (transports.find(name) == std::string::npos) continue;
-    const Timing raw = SocketLimit(unix_socket, static_cast<size_t>(bytes), warmup, iterations);
-    const double raw_gbs = bytes / raw.median_s / 1e9;
-    std::printf("%-6s %-7s %-5s %10.2f %10.2f %9.2f %8s\n", name, "-", "raw", raw.median_s * 1e3,
-                raw.mean_s * 1e3, raw_gbs, "1.00");
+    RawLink raw(unix_socket, static_cast<size_t>(bytes));
     for (const std::string& shard_flag : absl::GetFlag(FLAGS_shards)) {
       int shards = 0;
       if (!absl::SimpleAtoi(shard_flag, &shards) || shards < 1) Die("bad --shards " + shard_flag);
-      Run run = RunModel(binary, shards, unix_socket, vars, warmup, iterations);
-      for (int op = 0; op < 2; ++op) {
-        const Timing& t = op == 0 ? run.push : run.pull;
-        const double gbs = bytes / t.median_s / 1e9;
-        std::printf("%-6s %-7d %-5s %10.2f %10.2f %9.2f %8.2f\n", name, shards,
-                    op == 0 ? "push" : "pull", t.median_s * 1e3, t.mean_s * 1e3, gbs,
-                    gbs / raw_gbs);
-        std::printf("JSON {\"transport\":\"%s\",\"shards\":%d,\"op\":\"%s\",\"median_ms\":%.3f,"
-                    "\"mean_ms\":%.3f,\"gbps\":%.3f,\"raw_gbps\":%.3f,\"ratio\":%.3f}\n",
-                    name, shards, op == 0 ? "push" : "pull", t.median_s * 1e3, t.mean_s * 1e3,
-                    gbs, raw_gbs, gbs / raw_gbs);
-      }
+      Run run = RunModel(binary, shards, unix_socket, vars, &raw);
+      print(name, shard_flag, "raw", run.raw, run.raw);
+      print(name, shard_flag, "push", run.push, run.raw);
+      print(name, shard_flag, "pull", run.pull, run.raw);
       for (const auto& s : run.status) {
         const double limit = 3.2 * s.parameter_bytes() + 64.0 * (1 << 20);
         std::printf("       memory: shard %d resident %.1f MB, parameters %.1f MB, bound "
@@ -334,8 +417,8 @@ int main(int argc, char** argv) {
   one.push_back({"all", {per * 200}});
   std::printf("\nsmall variables (tcp, 2 shards): 200 x %lld floats vs 1 x %lld floats\n",
               static_cast<long long>(per), static_cast<long long>(per * 200));
-  Run r_many = RunModel(binary, 2, false, many, warmup, iterations);
-  Run r_one = RunModel(binary, 2, false, one, warmup, iterations);
+  Run r_many = RunModel(binary, 2, false, many, nullptr);
+  Run r_one = RunModel(binary, 2, false, one, nullptr);
   const double t_many = r_many.push.median_s + r_many.pull.median_s;
   const double t_one = r_one.push.median_s + r_one.pull.median_s;
   std::printf("  push+pull median: 200 vars %.2f ms, 1 var %.2f ms, ratio %.2f (target <= 2)\n",
