@@ -185,6 +185,66 @@ class ApplierPool {
   std::vector<std::thread> threads_;
 };
 
+// Writes a call's response messages on a thread of its own, in order, so that
+// the handler goes on reading and applying the next request message while
+// the previous response is being sent (a synchronous Write returns only once
+// gRPC has taken the whole message).
+class ResponseWriter {
+ public:
+  explicit ResponseWriter(grpc::internal::WriterInterface<grpc::ByteBuffer>* stream)
+      : stream_(stream), thread_([this] { Loop(); }) {}
+  ~ResponseWriter() { Close(); }
+
+  // Queues a message; false once a write has failed (the client is gone).
+  bool Send(grpc::ByteBuffer message) {
+    absl::MutexLock lock(&mu_);
+    if (failed_) return false;
+    queue_.push_back(std::move(message));
+    return true;
+  }
+  // Sends what is queued, stops the thread; false if any write failed.
+  bool Close() {
+    {
+      absl::MutexLock lock(&mu_);
+      closing_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+    absl::MutexLock lock(&mu_);
+    return !failed_;
+  }
+
+ private:
+  void Loop() {
+    while (true) {
+      grpc::ByteBuffer message;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ResponseWriter* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
+              return w->closing_ || !w->queue_.empty();
+            },
+            this));
+        if (queue_.empty()) return;  // closing, all sent
+        message = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (!stream_->Write(message)) {
+        absl::MutexLock lock(&mu_);
+        failed_ = true;
+        queue_.clear();
+        return;
+      }
+    }
+  }
+
+  grpc::internal::WriterInterface<grpc::ByteBuffer>* const stream_;
+  absl::Mutex mu_;
+  std::deque<grpc::ByteBuffer> queue_ ABSL_GUARDED_BY(mu_);
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 // The ParameterServer service over a VariableStore. Handlers never throw or
 // crash on a request: every problem becomes a status naming the variable.
 //
@@ -225,6 +285,14 @@ class PsServer::Service final : public grpc::Service {
             [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                PushResponse* response) {
               return ToGrpcStatus(s->DoPush(ctx, reader, response));
+            },
+            this)));
+    AddMethod(new RpcServiceMethod(
+        "/psflow.ParameterServer/PushPull", RpcMethod::BIDI_STREAMING,
+        new grpc::internal::BidiStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [](Service* s, grpc::ServerContext* ctx,
+               grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+              return ToGrpcStatus(s->DoPushPull(ctx, stream));
             },
             this)));
     AddMethod(new RpcServiceMethod(
@@ -304,7 +372,8 @@ class PsServer::Service final : public grpc::Service {
   };
 
   // Reads and decodes the next push message; false at the end of the stream.
-  absl::StatusOr<bool> ReadPush(grpc::ServerReader<grpc::ByteBuffer>* reader, PushMessage* m) {
+  absl::StatusOr<bool> ReadPush(grpc::internal::ReaderInterface<grpc::ByteBuffer>* reader,
+                                PushMessage* m) {
     if (!reader->Read(&m->buffer)) return false;
     PSFLOW_RETURN_IF_ERROR(wire::DumpPieces(m->buffer, &m->slices, &m->pieces));
     absl::Status s = wire::Decode(wire::MessageKind::kPushRequest, m->pieces, &m->msg);
@@ -324,9 +393,12 @@ class PsServer::Service final : public grpc::Service {
   // a message that fails validation is applied). The optimizer reads each
   // segment where gRPC received it, run by run (a run is one slice's share of
   // the segment); only a value split across two slices is first put together
-  // in `stitched`, 4 bytes at a time.
+  // in `stitched`, 4 bytes at a time. With `read_back`, segment i's values
+  // after the update are copied to read_back[i] and its part's version to
+  // versions[i].
   absl::Status ApplyPush(const wire::DecodedMessage& msg, VariableStore::PushSession* session,
-                         std::vector<GradPiece>* pieces, std::vector<float>* stitched) {
+                         std::vector<GradPiece>* pieces, std::vector<float>* stitched,
+                         char* const* read_back = nullptr, int64_t* versions = nullptr) {
     pieces->clear();
     stitched->clear();
     size_t runs = 0;
@@ -382,8 +454,11 @@ class PsServer::Service final : public grpc::Service {
       const wire::DecodedSegment& seg = msg.segments[i];
       for (size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
         const GradPiece& piece = (*pieces)[k];
+        char* out = read_back == nullptr ? nullptr
+                                         : read_back[i] + 4 * (piece.offset - seg.offset);
         PSFLOW_RETURN_IF_ERROR(session->Apply(seg.variable, piece.offset, piece.data, piece.count,
-                                              /*values_checked=*/true));
+                                              /*values_checked=*/true, out,
+                                              versions == nullptr ? nullptr : &versions[i]));
       }
       bytes_received_ += seg.data_bytes;
     }
@@ -434,6 +509,79 @@ class PsServer::Service final : public grpc::Service {
     response->set_elements_applied(session->elements_applied());
     response->set_elements_skipped(session->elements_skipped());
     return absl::OkStatus();
+  }
+
+  // A push whose every message is answered, once applied, by a PullResponse
+  // message holding the same segments' values right after the update: the
+  // gradient streams in while the fresh values stream out, in one call. The
+  // values are copied out under the part's lock right after the optimizer
+  // wrote them, while they are still in cache.
+  absl::Status DoPushPull(grpc::ServerContext* context,
+                          grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+    PushMessage m;
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(stream, &m));
+    if (!got || !m.msg.has_header) {
+      return absl::InvalidArgumentError("PushPull: the first message must carry the header");
+    }
+    const wire::PushHeaderFields& h = m.msg.header;
+    auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
+    std::vector<GradPiece> pieces;
+    std::vector<float> stitched;
+    std::vector<char*> read_back;
+    std::vector<int64_t> versions;
+    std::string tail;
+    absl::Status status;
+    ResponseWriter writer(stream);
+    while (status.ok()) {
+      const wire::DecodedMessage& msg = m.msg;
+      if (msg.num_segments > 0) {
+        // The response: each segment's prefix, then room for its values.
+        size_t bound = 2 + 10 + 10 * msg.num_segments;  // versions field
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          bound += wire::MaxSegmentPrefixSize(msg.segments[i].variable) +
+                   static_cast<size_t>(std::max<int64_t>(msg.segments[i].data_bytes, 0));
+        }
+        BufferPool::Buffer* buf = pool_->Get(bound);
+        char* p = buf->data.get();
+        size_t len = 0;
+        read_back.resize(msg.num_segments);
+        versions.assign(msg.num_segments, 0);
+        for (size_t i = 0; i < msg.num_segments; ++i) {
+          const wire::DecodedSegment& seg = msg.segments[i];
+          len += wire::WriteSegmentPrefix(p + len, 1, seg.variable, seg.offset,
+                                          static_cast<size_t>(std::max<int64_t>(seg.data_bytes, 0)));
+          read_back[i] = p + len;
+          len += static_cast<size_t>(std::max<int64_t>(seg.data_bytes, 0));
+        }
+        status = ApplyPush(msg, session.get(), &pieces, &stitched, read_back.data(),
+                           versions.data());
+        if (!status.ok()) {
+          BufferPool::Return(buf);
+          break;
+        }
+        tail.clear();
+        wire::AppendPackedInt64(&tail, 2, versions);
+        std::memcpy(p + len, tail.data(), tail.size());
+        len += tail.size();
+        grpc::Slice slice(buf->data.get(), len, &BufferPool::Return, buf);
+        if (!writer.Send(grpc::ByteBuffer(&slice, 1))) {
+          status = absl::CancelledError("PushPull: the client went away");
+          break;
+        }
+        for (size_t i = 0; i < msg.num_segments; ++i) bytes_sent_ += msg.segments[i].data_bytes;
+      }
+      absl::StatusOr<bool> more = ReadPush(stream, &m);
+      if (!more.ok()) status = more.status();
+      if (!status.ok() || !*more) break;
+    }
+    if (!writer.Close() && status.ok()) {
+      status = absl::CancelledError("PushPull: the client went away");
+    }
+    if (status.ok() && context->IsCancelled()) {
+      status = absl::CancelledError("PushPull: the stream broke before it was complete");
+    }
+    session->Finish(status);
+    return status;
   }
 
   absl::Status DoPull(grpc::ServerContext* context, const PullRequest& request,

@@ -280,7 +280,8 @@ absl::Status VariableStore::PushSession::ValidateRange(absl::string_view variabl
 
 absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64_t offset,
                                                const void* data, int64_t count,
-                                               bool values_checked) {
+                                               bool values_checked, void* read_back,
+                                               int64_t* version) {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
   PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(
       *part, offset, data, count,
@@ -292,6 +293,11 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   if (offset + count <= progress.applied) {
     skipped_ += count;
     store_->duplicate_elements_ += count;
+    if (read_back != nullptr) {
+      absl::ReaderMutexLock lock(&part->mu);
+      std::memcpy(read_back, part->params.data() + offset, count * 4);
+      if (version != nullptr) *version = part->version;
+    }
     return absl::OkStatus();
   }
   if (offset != progress.applied) {
@@ -305,6 +311,10 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     float* slots[4];
     for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + offset;
     store_->optimizer_->Apply(progress.step, part->params.data() + offset, slots, grad, count);
+    if (read_back != nullptr) {  // the values are in cache now: the copy is cheap
+      std::memcpy(read_back, part->params.data() + offset, count * 4);
+      if (version != nullptr) *version = part->version;
+    }
   }
   progress.applied += count;
   applied_ += count;

@@ -146,8 +146,13 @@ class VariableStore {
     // elements [offset, offset+count) of `variable`'s part. With
     // `values_checked` the caller has passed the same data to Validate()
     // already, and the NaN/Inf scan is not repeated (ranges still are).
+    // With `read_back` (4 * count bytes, any alignment) the same elements'
+    // values right after the update are copied there, under the same lock
+    // hold, and `*version` gets the part's version (also when the elements
+    // were applied before under this request id and are skipped now).
     absl::Status Apply(absl::string_view variable, int64_t offset, const void* data,
-                       int64_t count, bool values_checked = false);
+                       int64_t count, bool values_checked = false, void* read_back = nullptr,
+                       int64_t* version = nullptr);
     // Checks a segment without applying it (used to validate a whole message
     // before any of its segments is applied).
     absl::Status Validate(absl::string_view variable, int64_t offset, const void* data,

@@ -109,6 +109,9 @@ class GrpcPsClient final : public PsClient {
       shard.pull_method = std::make_unique<grpc::internal::RpcMethod>(
           "/psflow.ParameterServer/Pull", grpc::internal::RpcMethod::SERVER_STREAMING,
           shard.channel);
+      shard.push_pull_method = std::make_unique<grpc::internal::RpcMethod>(
+          "/psflow.ParameterServer/PushPull", grpc::internal::RpcMethod::BIDI_STREAMING,
+          shard.channel);
       shard.parts = plan_.PartsOnShard(s);
       for (int p : shard.parts) {
         const Part& part = plan_.parts()[p];
@@ -167,6 +170,11 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryCall(options_.retry, [&] { return PullOnce(s, values, &results[s]); });
     }));
+    return Combine(results);
+  }
+
+  // The versions read from every shard that holds parts.
+  PullResult Combine(const std::vector<PullResult>& results) const {
     PullResult out;
     bool first = true;
     for (int s = 0; s < plan_.num_shards(); ++s) {
@@ -182,22 +190,29 @@ class GrpcPsClient final : public PsClient {
 
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
     PSFLOW_RETURN_IF_ERROR(CheckCount(grads.size(), "Push"));
-    if (options_.check_finite) {
-      for (size_t v = 0; v < grads.size(); ++v) {
-        const int64_t bad = FirstNonFinite(grads[v], plan_.variables()[v].num_elements());
-        if (bad >= 0) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "gradient of '", plan_.variables()[v].name, "' has a non-finite value (",
-              grads[v][bad], ") at element ", bad, "; nothing was pushed"));
-        }
-      }
-    }
+    PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
     return ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
       return RetryCall(options_.retry, [&] { return PushOnce(s, grads, info, request_id); });
     });
+  }
+
+  absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads, const PushInfo& info,
+                                      absl::Span<float* const> values) override {
+    PSFLOW_RETURN_IF_ERROR(CheckCount(grads.size(), "PushPull"));
+    PSFLOW_RETURN_IF_ERROR(CheckCount(values.size(), "PushPull"));
+    PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
+    std::vector<PullResult> results(plan_.num_shards());
+    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      if (shards_[s].parts.empty()) return absl::OkStatus();
+      const uint64_t request_id = NewRequestId();
+      return RetryCall(options_.retry, [&] {
+        return PushPullOnce(s, grads, info, request_id, values, &results[s]);
+      });
+    }));
+    return Combine(results);
   }
 
   absl::StatusOr<std::vector<StatusResponse>> GetStatus() override {
@@ -226,9 +241,26 @@ class GrpcPsClient final : public PsClient {
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
     std::unique_ptr<grpc::internal::RpcMethod> pull_method;  // Pull with ByteBuffer messages
+    std::unique_ptr<grpc::internal::RpcMethod> push_pull_method;  // PushPull, ByteBuffers
     // Reused across calls so that their vectors are allocated once.
     PullBuffers pull_in;
+    PullBuffers push_pull_in;
   };
+
+  // Refuses a gradient with NaN/Inf before anything is sent, so that no
+  // shard applies part of it.
+  absl::Status CheckFinite(absl::Span<const float* const> grads) const {
+    if (!options_.check_finite) return absl::OkStatus();
+    for (size_t v = 0; v < grads.size(); ++v) {
+      const int64_t bad = FirstNonFinite(grads[v], plan_.variables()[v].num_elements());
+      if (bad >= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "gradient of '", plan_.variables()[v].name, "' has a non-finite value (",
+            grads[v][bad], ") at element ", bad, "; nothing was pushed"));
+      }
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status CheckCount(size_t n, const char* what) const {
     if (n == plan_.variables().size()) return absl::OkStatus();
@@ -311,16 +343,12 @@ class GrpcPsClient final : public PsClient {
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
-  absl::Status PushOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
-                        uint64_t request_id) {
+  // Writes shard s's share of `grads` as PushRequest messages (the header in
+  // the first) and half-closes the stream. False when the stream broke.
+  bool WritePush(int s, absl::Span<const float* const> grads, const PushInfo& info,
+                 uint64_t request_id, grpc::internal::WriterInterface<grpc::ByteBuffer>* writer,
+                 const std::function<bool()>& writes_done) {
     Shard& shard = shards_[s];
-    grpc::ClientContext context;
-    SetDeadline(&context);
-    PushResponse response;
-    // What the generated stub does, with ByteBuffer messages (PushEncoder).
-    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-            shard.channel.get(), *shard.push_method, &context, &response));
     PushHeader header;
     header.set_worker_id(options_.worker_id);
     header.set_step(info.step);
@@ -350,38 +378,29 @@ class GrpcPsClient final : public PsClient {
     }
     if (ok && !encoder.empty()) {
       encoder.Take(&message);
-      writer->Write(message);
+      ok = writer->Write(message);
     }
-    writer->WritesDone();
-    return FromGrpcStatus(writer->Finish(), shard.name);
+    return writes_done() && ok;
   }
 
-  absl::Status PullOnce(int s, absl::Span<float* const> values, PullResult* result) {
+  // Reads PullResponse messages from shard s until the stream ends, copying
+  // each segment into `values`; counts the elements in `*received`.
+  // DATA_LOSS for a malformed response or one outside the shard's parts.
+  absl::Status ReadValues(int s, grpc::internal::ReaderInterface<grpc::ByteBuffer>* reader,
+                          PullBuffers* in, absl::Span<float* const> values, PullResult* result,
+                          int64_t* received) {
     Shard& shard = shards_[s];
-    grpc::ClientContext context;
-    SetDeadline(&context);
-    PullRequest request;
-    request.set_worker_id(options_.worker_id);
-    request.set_max_chunk_bytes(options_.max_chunk_bytes);
-    // What the generated stub does, reading raw ByteBuffers: each segment's
-    // data is copied once, from gRPC's slices straight into the tensor.
-    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-            shard.channel.get(), *shard.pull_method, &context, request));
-    int64_t received = 0, expected = 0;
-    for (int p : shard.parts) expected += plan_.parts()[p].num_elements();
     bool first = true;
-    PullBuffers& in = shard.pull_in;
     absl::Status bad;
-    while (bad.ok() && reader->Read(&in.buffer)) {
-      bad = wire::DumpPieces(in.buffer, &in.slices, &in.pieces);
-      if (bad.ok()) bad = wire::Decode(wire::MessageKind::kPullResponse, in.pieces, &in.msg);
+    while (bad.ok() && reader->Read(&in->buffer)) {
+      bad = wire::DumpPieces(in->buffer, &in->slices, &in->pieces);
+      if (bad.ok()) bad = wire::Decode(wire::MessageKind::kPullResponse, in->pieces, &in->msg);
       if (!bad.ok()) {
         bad = absl::DataLossError(
             absl::StrCat(shard.name, " sent a malformed Pull response: ", bad.message()));
         break;
       }
-      const wire::DecodedMessage& msg = in.msg;
+      const wire::DecodedMessage& msg = in->msg;
       for (size_t i = 0; i < msg.num_segments; ++i) {
         const wire::DecodedSegment& segment = msg.segments[i];
         auto it = shard.by_name.find(segment.variable);
@@ -397,7 +416,7 @@ class GrpcPsClient final : public PsClient {
           break;
         }
         msg.CopyData(segment, values[part.variable_index] + part.elem_begin + segment.offset);
-        received += count;
+        *received += count;
         const int64_t version = i < msg.versions.size() ? msg.versions[i] : 0;
         result->min_version = first ? version : std::min(result->min_version, version);
         result->max_version = first ? version : std::max(result->max_version, version);
@@ -405,21 +424,88 @@ class GrpcPsClient final : public PsClient {
       }
     }
     // Drop the references to gRPC's slices before the call ends.
-    in.msg.Clear();
-    in.pieces.clear();
-    in.slices.clear();
-    in.buffer.Clear();
+    in->msg.Clear();
+    in->pieces.clear();
+    in->slices.clear();
+    in->buffer.Clear();
+    return bad;
+  }
+
+  // Every element of shard s's parts, once.
+  int64_t ShardElements(int s) const {
+    int64_t n = 0;
+    for (int p : shards_[s].parts) n += plan_.parts()[p].num_elements();
+    return n;
+  }
+
+  absl::Status CheckReceived(int s, int64_t received) const {
+    const int64_t expected = ShardElements(s);
+    if (received == expected) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat(shards_[s].name, " returned ", received, " of the ",
+                                            expected, " elements this worker expects"));
+  }
+
+  absl::Status PushOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
+                        uint64_t request_id) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    PushResponse response;
+    // What the generated stub does, with ByteBuffer messages (PushEncoder).
+    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+            shard.channel.get(), *shard.push_method, &context, &response));
+    WritePush(s, grads, info, request_id, writer.get(), [&] { return writer->WritesDone(); });
+    return FromGrpcStatus(writer->Finish(), shard.name);
+  }
+
+  absl::Status PullOnce(int s, absl::Span<float* const> values, PullResult* result) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    PullRequest request;
+    request.set_worker_id(options_.worker_id);
+    request.set_max_chunk_bytes(options_.max_chunk_bytes);
+    // What the generated stub does, reading raw ByteBuffers: each segment's
+    // data is copied once, from gRPC's slices straight into the tensor.
+    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+            shard.channel.get(), *shard.pull_method, &context, request));
+    int64_t received = 0;
+    absl::Status bad = ReadValues(s, reader.get(), &shard.pull_in, values, result, &received);
     if (!bad.ok()) {
       context.TryCancel();
       reader->Finish();
       return bad;
     }
     PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
-    if (received != expected) {
-      return absl::DataLossError(absl::StrCat(shard.name, " returned ", received, " of the ",
-                                              expected, " elements this worker expects"));
-    }
-    return absl::OkStatus();
+    return CheckReceived(s, received);
+  }
+
+  // One PushPull call: a helper thread writes the gradient while this thread
+  // reads the values coming back (the server answers each message as soon
+  // as it is applied, so both must run at once).
+  absl::Status PushPullOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
+                            uint64_t request_id, absl::Span<float* const> values,
+                            PullResult* result) {
+    Shard& shard = shards_[s];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            shard.channel.get(), *shard.push_pull_method, &context));
+    std::thread writer([&] {
+      WritePush(s, grads, info, request_id, stream.get(), [&] { return stream->WritesDone(); });
+    });
+    int64_t received = 0;
+    absl::Status bad =
+        ReadValues(s, stream.get(), &shard.push_pull_in, values, result, &received);
+    if (!bad.ok()) context.TryCancel();  // also ends a Write the server no longer reads
+    writer.join();
+    const grpc::Status status = stream->Finish();
+    PSFLOW_RETURN_IF_ERROR(bad);
+    PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(status, shard.name));
+    return CheckReceived(s, received);
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out) {

@@ -47,6 +47,14 @@ class PsClient {
   // shard applies its optimizer. A retry after a transient failure reuses
   // the request id, so the update is applied exactly once.
   virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
+  // Push followed by a pull in one call per shard: sends `grads` as Push
+  // does and fills `values[i]` with every variable's values right after
+  // this push was applied to them (each shard answers every message of the
+  // push as soon as it has applied it, so the gradient and the new values
+  // cross at once). Counts as a Push and a Pull for the rule below.
+  virtual absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads,
+                                              const PushInfo& info,
+                                              absl::Span<float* const> values) = 0;
   // Each shard's status, in shard order.
   virtual absl::StatusOr<std::vector<StatusResponse>> GetStatus() = 0;
 };

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gmock/gmock.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -181,17 +182,23 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
   auto grad_value = [](int t, int k, int64_t i) {
     return static_cast<float>((t * 31 + k * 7 + i) % 9) - 4.0f;
   };
+  // Odd threads push through PushPull (and get values back), even ones
+  // through Push: both must be applied exactly once, side by side.
   std::vector<std::thread> threads;
   std::vector<absl::Status> results(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       auto client = Client(vars, 8 * 1024, 12 * 1024, t);
-      Tensors g = Make(vars, 0);
+      Tensors g = Make(vars, 0), values = Make(vars, 0);
       for (int k = 0; k < kPushes && results[t].ok(); ++k) {
         for (auto& d : g.data) {
           for (size_t i = 0; i < d.size(); ++i) d[i] = grad_value(t, k, i);
         }
-        results[t] = client->Push(g.cptrs(), {k, 0});
+        if (t % 2 == 0) {
+          results[t] = client->Push(g.cptrs(), {k, 0});
+        } else {
+          results[t] = client->PushPull(g.cptrs(), {k, 0}, values.ptrs()).status();
+        }
       }
     });
   }
@@ -257,6 +264,49 @@ TEST_F(PsClusterTest, SeedModelGradientsAreAppliedExactly) {
       }
     }
     EXPECT_EQ(wrong, 0);
+  }
+}
+
+// PushPull answers with each variable's values right after the push's own
+// update: with SGD lr = 1 and a single client they are exactly the values a
+// Pull reads afterwards, the initial values minus every gradient so far.
+TEST_F(PsClusterTest, PushPullReturnsTheValuesRightAfterItsUpdate) {
+  OptimizerOptions sgd;
+  sgd.kind = OptimizerOptions::Kind::kSgd;
+  sgd.learning_rate = 1.0f;
+  StartCluster(3, sgd);
+  const std::vector<VariableSpec> vars = SeedModel();
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  ASSERT_EQ(client->plan().PartsOfVariable(2).size(), 3u);  // dense/kernel on every shard
+  Tensors init = Make(vars, 0.0f);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < init.data[v].size(); ++i) {
+      init.data[v][i] = static_cast<float>((i * 5 + v) % 64);
+    }
+  }
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  Tensors want = init;
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE(step);
+    Tensors g = Make(vars, 0.0f);
+    for (size_t v = 0; v < vars.size(); ++v) {
+      for (size_t i = 0; i < g.data[v].size(); ++i) {
+        g.data[v][i] = static_cast<float>((i * 3 + v + step) % 16) * 0.5f - 4.0f;
+        want.data[v][i] -= g.data[v][i];
+      }
+    }
+    Tensors got = Make(vars, -99.0f);
+    auto result = client->PushPull(g.cptrs(), {step, 0}, got.ptrs());
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->min_version, step);
+    EXPECT_EQ(result->max_version, step);
+    Tensors pulled = Make(vars, -99.0f);
+    ASSERT_TRUE(client->Pull(pulled.ptrs()).ok());
+    for (size_t v = 0; v < vars.size(); ++v) {
+      ASSERT_EQ(got.data[v], want.data[v]) << vars[v].name;
+      ASSERT_EQ(pulled.data[v], want.data[v]) << vars[v].name;
+    }
   }
 }
 
@@ -333,6 +383,37 @@ class RawPushTest : public PsClusterTest {
     return writer->Finish();
   }
 
+  // Sends `msgs` as one PushPull call; the values of "w" that came back go
+  // to `*values` (by offset) and the number of elements to `*received`.
+  grpc::Status RawPushPull(std::vector<PushRequest> msgs, uint64_t request_id,
+                           std::vector<float>* values = nullptr, int64_t* received = nullptr) {
+    grpc::ClientContext context;
+    auto stream = stub_->PushPull(&context);
+    if (!msgs.empty()) {
+      msgs[0].mutable_header()->set_request_id(request_id);
+      msgs[0].mutable_header()->set_worker_id(5);
+    }
+    for (auto& m : msgs) {
+      if (!stream->Write(m)) break;
+    }
+    stream->WritesDone();
+    PullResponse response;
+    int64_t count = 0;
+    while (stream->Read(&response)) {
+      EXPECT_EQ(response.versions_size(), response.segments_size());
+      for (const Segment& segment : response.segments()) {
+        const int64_t n = static_cast<int64_t>(segment.data().size() / 4);
+        if (values != nullptr && segment.variable() == "w" && segment.offset() >= 0 &&
+            segment.offset() + n <= static_cast<int64_t>(values->size())) {
+          std::memcpy(values->data() + segment.offset(), segment.data().data(), n * 4);
+        }
+        count += n;
+      }
+    }
+    if (received != nullptr) *received = count;
+    return stream->Finish();
+  }
+
   const std::vector<VariableSpec> vars_ = {{"w", {8}}};
   std::unique_ptr<PsClient> client_;
   std::unique_ptr<ParameterServer::Stub> stub_;
@@ -351,6 +432,28 @@ TEST_F(RawPushTest, RetriedPushWithSameRequestIdIsAppliedOnce) {
   // Another request id is a new push.
   ASSERT_TRUE(RawPush({m}, 43).ok());
   EXPECT_THAT(Values(), ::testing::Each(-2.0f));
+}
+
+TEST_F(RawPushTest, RetriedPushPullIsAppliedOnceAndStillAnswers) {
+  PushRequest a, b;
+  AddSegment(&a, "w", 0, {1, 1, 1, 1});
+  AddSegment(&b, "w", 4, {2, 2, 2, 2});
+  std::vector<float> first(8, -99), second(8, -99);
+  int64_t received = 0;
+  ASSERT_TRUE(RawPushPull({a, b}, 52, &first, &received).ok());
+  EXPECT_EQ(received, 8);
+  EXPECT_THAT(first, ::testing::ElementsAre(-1, -1, -1, -1, -2, -2, -2, -2));
+  ASSERT_TRUE(RawPushPull({a, b}, 52, &second, &received).ok());  // the retry
+  EXPECT_EQ(received, 8);
+  EXPECT_EQ(second, first);
+  EXPECT_EQ(Values(), first);
+  // Through the client: its answer is what a Pull then reads.
+  Tensors g = Make(vars_, 0.5f), got = Make(vars_, -99);
+  auto result = client_->PushPull(g.cptrs(), {3, 0}, got.ptrs());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_THAT(got.data[0], ::testing::ElementsAre(-1.5, -1.5, -1.5, -1.5, -2.5, -2.5, -2.5, -2.5));
+  EXPECT_EQ(result->max_version, 2);
+  EXPECT_EQ(Values(), got.data[0]);
 }
 
 TEST_F(RawPushTest, BrokenStreamKeepsWhatArrivedAndRetryCompletesIt) {
@@ -427,17 +530,18 @@ TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
     cases.push_back({"out of order", {m}, grpc::INVALID_ARGUMENT, {"in order", "expected offset 0"}});
   }
   cases.push_back({"empty stream", {}, grpc::INVALID_ARGUMENT, {"header"}});
-  for (auto& c : cases) {
-    SCOPED_TRACE(c.what);
-    grpc::Status status = RawPush(c.msgs, 1000 + (&c - cases.data()));
-    if (c.msgs.empty()) {
-      // No message at all: the header is missing.
-      EXPECT_EQ(status.error_code(), c.code);
-    } else {
+  for (bool fused : {false, true}) {
+    for (auto& c : cases) {
+      SCOPED_TRACE(absl::StrCat(c.what, fused ? " (PushPull)" : " (Push)"));
+      const uint64_t id = 1000 + (&c - cases.data()) + (fused ? 100 : 0);
+      int64_t received = 0;
+      grpc::Status status = fused ? RawPushPull(c.msgs, id, nullptr, &received)
+                                  : RawPush(c.msgs, id);
       EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+      for (const auto& m : c.mentions) EXPECT_THAT(status.error_message(), HasSubstr(m));
+      EXPECT_EQ(received, 0) << "values were sent for a refused message";
+      EXPECT_THAT(Values(), ::testing::Each(0.0f)) << "values changed";
     }
-    for (const auto& m : c.mentions) EXPECT_THAT(status.error_message(), HasSubstr(m));
-    EXPECT_THAT(Values(), ::testing::Each(0.0f)) << "values changed";
   }
 }
 
@@ -461,6 +565,10 @@ TEST_F(RawPushTest, ClientRefusesNonFiniteGradientsBeforeSending) {
   Tensors g;
   g.data = {{1, 1, 1, 1, 1, 1, 1, std::numeric_limits<float>::quiet_NaN()}};
   absl::Status status = client_->Push(g.cptrs(), {1, 0});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("'w'"));
+  Tensors values = Make(vars_, -99);
+  status = client_->PushPull(g.cptrs(), {1, 0}, values.ptrs()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("'w'"));
   EXPECT_THAT(Values(), ::testing::Each(0.0f));

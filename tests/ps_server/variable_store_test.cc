@@ -151,6 +151,37 @@ TEST(VariableStoreTest, SameRequestIdIsAppliedOnceAcrossSessions) {
   EXPECT_EQ(store->stats().rejected_requests, 1);
 }
 
+TEST(VariableStoreTest, ApplyReadsBackTheUpdatedValuesAlsoWhenSkipped) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {4}, 0, 4), 1.0f);
+  const float g[4] = {1, 2, 3, 4};
+  char back[4 * 3 + 1];  // read back at an odd address: any alignment
+  int64_t version = -1;
+  {
+    auto push = store->BeginPush({1, 1, 0, 5});
+    ASSERT_TRUE(push->Apply("w", 0, g, 3, false, back + 1, &version).ok());
+  }
+  float values[3];
+  std::memcpy(values, back + 1, sizeof(values));
+  EXPECT_THAT(values, ::testing::ElementsAre(0.0f, -1.0f, -2.0f));
+  EXPECT_EQ(version, 1);
+  // Another push moves the part on; a retry of the first one is skipped but
+  // still reads back the values as they are now.
+  {
+    auto other = store->BeginPush({2, 1, 0, 6});
+    ASSERT_TRUE(other->Apply("w", 0, g, 4).ok());
+  }
+  std::memset(back, 0, sizeof(back));
+  version = -1;
+  auto retry = store->BeginPush({1, 1, 0, 5});
+  ASSERT_TRUE(retry->Apply("w", 0, g, 3, false, back + 1, &version).ok());
+  EXPECT_EQ(retry->elements_skipped(), 3);
+  std::memcpy(values, back + 1, sizeof(values));
+  EXPECT_THAT(values, ::testing::ElementsAre(-1.0f, -3.0f, -5.0f));
+  EXPECT_EQ(version, 2);
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::ElementsAre(-1.0f, -3.0f, -5.0f, -3.0f));
+}
+
 TEST(VariableStoreTest, LedgerForgetsTheOldestIds) {
   auto store = SgdStore(0, 1, /*ledger=*/2);
   RegisterFilled(store.get(), Def("w", {1}, 0, 1), 0.0f);
