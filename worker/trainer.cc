@@ -160,11 +160,19 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                           Batcher::Create(&train, batcher_options));
 
   CommThread comm;
-  double push_s = 0, pull_s = 0;  // written by the comm thread between Start and Wait
+  // Written by the comm thread between Start and Wait.
+  double push_s = 0, pull_s = 0, push_pull_s = 0;
   int64_t read_version = read.max_version;
   // Pushes grads[g] and pulls into params[p].
   auto communicate = [&](int g, int p, int64_t step) -> absl::Status {
     absl::Time t = absl::Now();
+    if (options.fused_push_pull) {
+      PSFLOW_ASSIGN_OR_RETURN(PullResult r, client->PushPull(grads[g].cptrs, {step, read_version},
+                                                             params[p].ptrs));
+      push_pull_s += Seconds(t);
+      read_version = r.max_version;
+      return absl::OkStatus();
+    }
     PSFLOW_RETURN_IF_ERROR(client->Push(grads[g].cptrs, {step, read_version}));
     push_s += Seconds(t);
     t = absl::Now();
@@ -248,6 +256,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   summary.steps = step;
   summary.push_s = push_s;
   summary.pull_s += pull_s;
+  summary.push_pull_s = push_pull_s;
   summary.wall_seconds = Seconds(start);
   const double train_seconds = summary.wall_seconds - summary.eval_s;
   summary.examples_per_sec = train_seconds > 0 ? summary.examples / train_seconds : 0;
@@ -282,6 +291,7 @@ std::string SummaryToJson(const TrainSummary& s, const std::string& extra) {
   AppendNumber(&out, "wait_comm_s", s.wait_comm_s);
   AppendNumber(&out, "push_s", s.push_s);
   AppendNumber(&out, "pull_s", s.pull_s);
+  AppendNumber(&out, "push_pull_s", s.push_pull_s);
   AppendNumber(&out, "eval_s", s.eval_s, false);
   out += "}, \"epochs\": [";
   for (size_t i = 0; i < s.epochs.size(); ++i) {

@@ -45,7 +45,10 @@ Dataset MakeSquares(int n, uint32_t seed) {
   return d;
 }
 
-TEST(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
+// With the fused PushPull call (the default) and with a Push then a Pull.
+class TrainingClusterTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
   std::vector<std::unique_ptr<server::PsServer>> servers;
   std::vector<std::string> addresses;
   for (int s = 0; s < 2; ++s) {
@@ -95,6 +98,7 @@ TEST(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
       options.seed = 3;
       options.progress = nullptr;
       options.wait_for_variables = absl::Seconds(30);
+      options.fused_push_pull = GetParam();
       results[w] = worker::Train(*model, backend->get(), client->get(), train, test, options);
     });
   }
@@ -106,6 +110,9 @@ TEST(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
     EXPECT_EQ(s.steps, 4 * 32);
     EXPECT_EQ(s.examples, 4 * 1000);
     EXPECT_GT(s.test_accuracy, 0.8) << "worker " << w << " (chance is 0.1)";
+    // The communication went through the calls asked for.
+    EXPECT_EQ(s.push_pull_s > 0, GetParam());
+    EXPECT_EQ(s.push_s > 0, !GetParam());
   }
   const auto& chief = *results[0];
   ASSERT_EQ(chief.epochs.size(), 4u);
@@ -121,6 +128,11 @@ TEST(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
     EXPECT_EQ(stats.rejected_requests, 0);
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(PushAndPull, TrainingClusterTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Fused" : "Separate";
+                         });
 
 }  // namespace
 }  // namespace psflow
