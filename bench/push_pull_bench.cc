@@ -19,6 +19,7 @@
 #include <netinet/tcp.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -35,6 +36,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -54,8 +56,14 @@ ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"})
           "Shard counts to run, comma-separated.");
 ABSL_FLAG(std::vector<std::string>, ps_flags, {},
           "Extra ps_server flags, comma-separated (e.g. --apply_threads=2).");
-ABSL_FLAG(std::string, ops, "push,pull",
-          "Operations to time (push, pull); e.g. push alone while profiling the shards.");
+ABSL_FLAG(std::string, ops, "push,pull,pushpull",
+          "Operations to time, comma-separated: push, pull, pushpull (both in one call); e.g. "
+          "push alone while profiling the shards.");
+ABSL_FLAG(std::string, netns, "",
+          "Run the ps_server processes and the raw receiver in this network namespace (made "
+          "with `ip netns add`), reached at --netns_ip over a veth link whose rate may be "
+          "limited with tc: an emulated network between client and shards. tcp only.");
+ABSL_FLAG(std::string, netns_ip, "", "The address of the namespace's end of the link.");
 ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 
 extern char** environ;
@@ -142,6 +150,21 @@ void ReadAll(int fd, char* p, size_t n) {
   }
 }
 
+// A socket created in network namespace `netns` (this one when empty). A
+// socket keeps the namespace it was made in, so a short-lived thread enters
+// the namespace (setns affects only the calling thread) and makes it there.
+int SocketIn(const std::string& netns, int domain) {
+  if (netns.empty()) return ::socket(domain, SOCK_STREAM, 0);
+  int fd = -1;
+  std::thread([&] {
+    const int ns = ::open(absl::StrCat("/var/run/netns/", netns).c_str(), O_RDONLY);
+    if (ns < 0 || ::setns(ns, CLONE_NEWNET) != 0) Die("cannot enter network namespace " + netns);
+    ::close(ns);
+    fd = ::socket(domain, SOCK_STREAM, 0);
+  }).join();
+  return fd;
+}
+
 // A connected socket pair over loopback (TCP with TCP_NODELAY, or a unix
 // socket): Transfer() sends `bytes` one way into a reused buffer on a
 // receiver thread and waits for its 1-byte acknowledgement.
@@ -159,10 +182,15 @@ class RawLink {
       std::strncpy(un->sun_path, path_.c_str(), sizeof(un->sun_path) - 1);
       len = sizeof(sockaddr_un);
     } else {
-      listener_ = ::socket(AF_INET, SOCK_STREAM, 0);
+      const std::string netns = absl::GetFlag(FLAGS_netns);
+      listener_ = SocketIn(netns, AF_INET);
       auto* in = reinterpret_cast<sockaddr_in*>(&addr);
       in->sin_family = AF_INET;
       in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      if (!netns.empty() && ::inet_pton(AF_INET, absl::GetFlag(FLAGS_netns_ip).c_str(),
+                                        &in->sin_addr) != 1) {
+        Die("--netns_ip must be an IPv4 address");
+      }
       in->sin_port = 0;
       len = sizeof(sockaddr_in);
     }
@@ -244,13 +272,20 @@ void StartCluster(const std::string& binary, int shards, bool unix_socket, Clust
       dial = listen;
     } else {
       const int port = FreePort();
-      listen = absl::StrCat("127.0.0.1:", port);
+      const std::string ip = absl::GetFlag(FLAGS_netns).empty() ? "127.0.0.1"
+                                                                : absl::GetFlag(FLAGS_netns_ip);
+      listen = absl::StrCat(ip, ":", port);
       dial = listen;
     }
-    std::vector<std::string> args = {binary, absl::StrCat("--address=", listen),
-                                     absl::StrCat("--shard_index=", s),
-                                     absl::StrCat("--num_shards=", shards),
-                                     absl::StrCat("--optimizer=", absl::GetFlag(FLAGS_optimizer))};
+    std::vector<std::string> args;
+    if (!absl::GetFlag(FLAGS_netns).empty()) {  // ip netns exec execs: the pid stays the server's
+      args = {"ip", "netns", "exec", absl::GetFlag(FLAGS_netns)};
+    }
+    args.push_back(binary);
+    args.push_back(absl::StrCat("--address=", listen));
+    args.push_back(absl::StrCat("--shard_index=", s));
+    args.push_back(absl::StrCat("--num_shards=", shards));
+    args.push_back(absl::StrCat("--optimizer=", absl::GetFlag(FLAGS_optimizer)));
     for (const std::string& f : absl::GetFlag(FLAGS_ps_flags)) args.push_back(f);
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
@@ -259,7 +294,7 @@ void StartCluster(const std::string& binary, int shards, bool unix_socket, Clust
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, "/dev/null", O_WRONLY, 0);
-    if (posix_spawn(&pid, binary.c_str(), &actions, nullptr, argv.data(), environ) != 0) {
+    if (posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) {
       Die("cannot start " + binary);
     }
     posix_spawn_file_actions_destroy(&actions);
@@ -281,7 +316,7 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing raw, push, pull;
+  Timing raw, push, pull, push_pull;
   std::vector<psflow::StatusResponse> status;
 };
 
@@ -294,8 +329,9 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
-  const bool do_push = ops.find("push") != std::string::npos;
-  const bool do_pull = ops.find("pull") != std::string::npos;
+  const bool do_push = absl::StrContains(absl::StrCat(",", ops, ","), ",push,");
+  const bool do_pull = absl::StrContains(absl::StrCat(",", ops, ","), ",pull,");
+  const bool do_push_pull = ops.find("pushpull") != std::string::npos;
   Cluster cluster;
   StartCluster(binary, shards, unix_socket, &cluster);
   psflow::worker::GrpcPsClientOptions options;
@@ -324,22 +360,29 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
     auto r = (*client)->Pull(vp);
     if (!r.ok()) Die(std::string(r.status().message()));
   };
+  auto push_pull = [&] {
+    auto r = (*client)->PushPull(gp, {++step, 0}, vp);
+    if (!r.ok()) Die(std::string(r.status().message()));
+  };
   for (int i = 0; i < warmup; ++i) {
     if (raw != nullptr) raw->Transfer();
     if (do_push) push();
     if (do_pull) pull();
+    if (do_push_pull) push_pull();
   }
-  OpStats raw_stats, push_stats, pull_stats;
+  OpStats raw_stats, push_stats, pull_stats, push_pull_stats;
   for (int done = 0; done < iterations; done += batch) {
     const int n = std::min(batch, iterations - done);
     if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
     if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
     if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
+    if (do_push_pull) TimeBatch(n, push_pull, cluster.pids, &push_pull_stats);
   }
   Run run;
   run.raw = Summarize(raw_stats);
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
+  run.push_pull = Summarize(push_pull_stats);
   auto status = (*client)->GetStatus();
   if (status.ok()) run.status = *status;
   return run;
@@ -371,14 +414,14 @@ int main(int argc, char** argv) {
               absl::GetFlag(FLAGS_optimizer).c_str());
   // cpu_ms: CPU time per operation, user + system: the client (or, for
   // raw, the sender and receiver threads) and the ps_server processes.
-  std::printf("%-6s %-7s %-5s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op",
+  std::printf("%-6s %-7s %-8s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op",
               "median_ms", "mean_ms", "GB/s", "vs_raw", "client_cpu_ms", "server_cpu_ms");
   const std::string transports = absl::GetFlag(FLAGS_transports);
   auto print = [&](const char* xport, const std::string& shards, const char* op,
                    const Timing& t, const Timing& raw) {
     if (t.median_s == 0) return;  // not run (--ops)
     const double gbs = bytes / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
-    std::printf("%-6s %-7s %-5s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
+    std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
     if (&t == &raw) return;
@@ -391,6 +434,10 @@ int main(int argc, char** argv) {
   for (bool unix_socket : {false, true}) {
     const char* name = unix_socket ? "unix" : "tcp";
     if (transports.find(name) == std::string::npos) continue;
+    if (unix_socket && !absl::GetFlag(FLAGS_netns).empty()) {
+      std::printf("(unix sockets skipped: --netns measures a network link)\n");
+      continue;
+    }
     RawLink raw(unix_socket, static_cast<size_t>(bytes));
     for (const std::string& shard_flag : absl::GetFlag(FLAGS_shards)) {
       int shards = 0;
@@ -399,6 +446,17 @@ int main(int argc, char** argv) {
       print(name, shard_flag, "raw", run.raw, run.raw);
       print(name, shard_flag, "push", run.push, run.raw);
       print(name, shard_flag, "pull", run.pull, run.raw);
+      print(name, shard_flag, "pushpull", run.push_pull, run.raw);
+      if (run.push_pull.median_s > 0 && run.push.median_s > 0 && run.pull.median_s > 0) {
+        // PushPull moves the bytes both ways: compare it with the two calls.
+        const double apart = run.push.median_s + run.pull.median_s;
+        std::printf("       pushpull %.2f ms vs push + pull %.2f ms: %.2fx\n",
+                    run.push_pull.median_s * 1e3, apart * 1e3, apart / run.push_pull.median_s);
+        std::printf("JSON {\"transport\":\"%s\",\"shards\":%s,\"pushpull_ms\":%.3f,"
+                    "\"push_plus_pull_ms\":%.3f,\"speedup\":%.3f}\n",
+                    name, shard_flag.c_str(), run.push_pull.median_s * 1e3, apart * 1e3,
+                    apart / run.push_pull.median_s);
+      }
       for (const auto& s : run.status) {
         const double limit = 3.2 * s.parameter_bytes() + 64.0 * (1 << 20);
         std::printf("       memory: shard %d resident %.1f MB, parameters %.1f MB, bound "

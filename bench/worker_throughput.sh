@@ -2,9 +2,13 @@
 # Full training step vs compute alone, seed model at batch 64 on the CPU:
 #   1. compute only (forward + backward), bench/step_bench;
 #   2. the full step against one ps_server (pull, compute, push with Adam on
-#      the PS), the real worker binary, with its time per phase.
+#      the PS), the real worker binary, with its time per phase: overlapped
+#      with compute (the default), overlapped as one fused PushPull call,
+#      and not overlapped.
 # Both with THREADS compute threads (default 1); the PS runs beside them on
-# the same machine. Usage: bench/worker_throughput.sh [BUILD_DIR]
+# the same machine, or, with PS_NETNS and PS_HOST (see
+# deploy/local/run_cluster.sh), across an emulated network link.
+# Usage: bench/worker_throughput.sh [BUILD_DIR]
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 BUILD_DIR=${1:-$here/build}
@@ -15,20 +19,22 @@ echo "== compute only: step_bench --threads=$THREADS"
 "$BUILD_DIR/bench/step_bench" --device=cpu --model=seed --batch_size=64 --threads="$THREADS" \
   --steps=200 --warmup=20 | tee /tmp/psflow_step_bench.txt
 compute=$(sed -n 's/.*"train_images_per_s":\([0-9.]*\).*/\1/p' /tmp/psflow_step_bench.txt)
-for overlap in true false; do
-  echo "== full step: 1 ps_server + 1 worker, --threads=$THREADS --overlap=$overlap, $STEPS steps"
+for mode in "true false" "true true" "false false"; do
+  read -r overlap fused <<<"$mode"
+  echo "== full step: 1 ps_server + 1 worker, --threads=$THREADS --overlap=$overlap --fused_push_pull=$fused, $STEPS steps"
   LOG_DIR=/tmp/psflow_throughput NUM_PS=1 NUM_WORKERS=1 BUILD_DIR="$BUILD_DIR" \
     bash "$here/deploy/local/run_cluster.sh" --model=seed --batch_size=64 --epochs=1 \
-    --train_steps="$STEPS" --threads="$THREADS" --device=cpu --overlap=$overlap >/tmp/psflow_tp.log 2>&1 \
+    --train_steps="$STEPS" --threads="$THREADS" --device=cpu --overlap=$overlap \
+    --fused_push_pull=$fused >/tmp/psflow_tp.log 2>&1 \
     || { cat /tmp/psflow_tp.log; exit 1; }
-  python3 - "$compute" "$overlap" /tmp/psflow_throughput/worker-0.json <<'PY'
+  python3 - "$compute" "overlap=$overlap fused=$fused" /tmp/psflow_throughput/worker-0.json <<'PY'
 import json, sys
-compute, overlap, path = float(sys.argv[1]), sys.argv[2], sys.argv[3]
+compute, mode, path = float(sys.argv[1]), sys.argv[2], sys.argv[3]
 s = json.load(open(path))
 p, n = s["phases"], s["steps"]
 full = s["examples_per_sec"]
-print(f"full step (overlap={overlap}): {full:.0f} images/s = {full / compute:.0%} of compute-only {compute:.0f}")
-print("  per step ms: " + ", ".join(f"{k[:-2]} {1e3 * v / n:.2f}" for k, v in p.items() if k != "eval_s"))
+print(f"full step ({mode}): {full:.0f} images/s = {full / compute:.0%} of compute-only {compute:.0f}")
+print("  per step ms: " + ", ".join(f"{k[:-2]} {1e3 * v / n:.2f}" for k, v in p.items() if k != "eval_s" and v > 0))
 print(f"  resident MB per epoch: {[round(e['resident_bytes'] / 1e6) for e in s['epochs']]}")
 PY
 done

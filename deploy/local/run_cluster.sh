@@ -8,7 +8,11 @@
 #
 # Environment: BUILD_DIR (default build), NUM_PS (2), NUM_WORKERS (2),
 # BASE_PORT (a free range is picked), LOG_DIR (default $BUILD_DIR/run),
-# PS_FLAGS (extra ps_server flags, e.g. "--optimizer=adam --learning_rate=0.001").
+# PS_FLAGS (extra ps_server flags, e.g. "--optimizer=adam --learning_rate=0.001"),
+# PS_NETNS and PS_HOST (start the ps_server processes inside the network
+# namespace PS_NETNS, made with `ip netns add`, where the workers reach them
+# at PS_HOST: a network link between workers and servers that tc can shape;
+# see docs/BENCHMARKS.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD_DIR=${BUILD_DIR:-$here/build}
@@ -16,6 +20,10 @@ NUM_PS=${NUM_PS:-2}
 NUM_WORKERS=${NUM_WORKERS:-2}
 LOG_DIR=${LOG_DIR:-$BUILD_DIR/run}
 PS_FLAGS=${PS_FLAGS:-}
+PS_NETNS=${PS_NETNS:-}
+PS_HOST=${PS_HOST:-localhost}
+ps_launch=()
+[ -z "$PS_NETNS" ] || ps_launch=(ip netns exec "$PS_NETNS")
 ps_bin=$BUILD_DIR/ps_server/ps_server
 worker_bin=$BUILD_DIR/worker/worker
 for b in "$ps_bin" "$worker_bin"; do
@@ -37,7 +45,7 @@ pick_base() {
 BASE_PORT=${BASE_PORT:-$(pick_base)}
 
 ps_list=() worker_list=()
-for i in $(seq 0 $((NUM_PS - 1))); do ps_list+=("\"localhost:$((BASE_PORT + i))\""); done
+for i in $(seq 0 $((NUM_PS - 1))); do ps_list+=("\"$PS_HOST:$((BASE_PORT + i))\""); done
 for i in $(seq 0 $((NUM_WORKERS - 1))); do worker_list+=("\"localhost:$((BASE_PORT + NUM_PS + i))\""); done
 join() { local IFS=,; echo "$*"; }
 cluster="{\"ps\": [$(join "${ps_list[@]}")], \"worker\": [$(join "${worker_list[@]}")]}"
@@ -58,7 +66,7 @@ trap 'echo "run_cluster: interrupted, stopping the cluster" >&2; exit 130' INT T
 
 echo "run_cluster: $NUM_PS ps + $NUM_WORKERS workers on localhost:$BASE_PORT.., logs in $LOG_DIR"
 for i in $(seq 0 $((NUM_PS - 1))); do
-  TF_CONFIG=$(tf_config ps "$i") "$ps_bin" --threads=0 $PS_FLAGS >"$LOG_DIR/ps-$i.log" 2>&1 &
+  TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 $PS_FLAGS >"$LOG_DIR/ps-$i.log" 2>&1 &
   pids+=($!)
 done
 worker_pids=()
