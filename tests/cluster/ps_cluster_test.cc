@@ -55,6 +55,15 @@ Tensors Make(const std::vector<VariableSpec>& vars, float fill) {
   return t;
 }
 
+// Plain SGD with learning rate 1: a parameter moves by exactly minus the
+// sum of its gradients, which small integers keep exact in float32.
+OptimizerOptions SgdLr1() {
+  OptimizerOptions sgd;
+  sgd.kind = OptimizerOptions::Kind::kSgd;
+  sgd.learning_rate = 1.0f;
+  return sgd;
+}
+
 class PsClusterTest : public ::testing::Test {
  protected:
   void StartCluster(int num_shards, OptimizerOptions optimizer = {},
@@ -140,10 +149,7 @@ TEST_F(PsClusterTest, SeedModelRoundTripIsBitIdentical) {
 }
 
 TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
-  OptimizerOptions sgd;
-  sgd.kind = OptimizerOptions::Kind::kSgd;
-  sgd.learning_rate = 1.0f;
-  StartCluster(2, sgd);
+  StartCluster(2, SgdLr1());
   const std::vector<VariableSpec> vars = {{"w", {4, 3}}, {"b", {3}}};
   auto client = Client(vars);
   Tensors init = Make(vars, 1.0f);
@@ -165,10 +171,7 @@ TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
 // 8 workers each push 200 known gradients with SGD(lr=1) to the same
 // variables; the result must be exactly the initial value minus the sum.
 TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
-  OptimizerOptions sgd;
-  sgd.kind = OptimizerOptions::Kind::kSgd;
-  sgd.learning_rate = 1.0f;
-  StartCluster(3, sgd);
+  StartCluster(3, SgdLr1());
   // A small split threshold so that "big" is split over all three shards.
   const std::vector<VariableSpec> vars = {{"big", {300, 40}}, {"mid", {50, 7}}, {"small", {5}}};
   constexpr int kThreads = 8, kPushes = 200;
@@ -228,10 +231,7 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
 // where it lies, run by run. With SGD lr = 1 every element must come out
 // exactly as the sum of what was pushed.
 TEST_F(PsClusterTest, SeedModelGradientsAreAppliedExactly) {
-  OptimizerOptions sgd;
-  sgd.kind = OptimizerOptions::Kind::kSgd;
-  sgd.learning_rate = 1.0f;
-  StartCluster(3, sgd);
+  StartCluster(3, SgdLr1());
   const std::vector<VariableSpec> vars = SeedModel();
   for (int64_t chunk : {int64_t{1} << 20, int64_t{3} << 20}) {
     SCOPED_TRACE(chunk);
@@ -271,10 +271,7 @@ TEST_F(PsClusterTest, SeedModelGradientsAreAppliedExactly) {
 // update: with SGD lr = 1 and a single client they are exactly the values a
 // Pull reads afterwards, the initial values minus every gradient so far.
 TEST_F(PsClusterTest, PushPullReturnsTheValuesRightAfterItsUpdate) {
-  OptimizerOptions sgd;
-  sgd.kind = OptimizerOptions::Kind::kSgd;
-  sgd.learning_rate = 1.0f;
-  StartCluster(3, sgd);
+  StartCluster(3, SgdLr1());
   const std::vector<VariableSpec> vars = SeedModel();
   auto client = Client(vars);
   ASSERT_NE(client, nullptr);
@@ -335,10 +332,7 @@ TEST_F(PsClusterTest, AdamStepThroughTheCluster) {
 class RawPushTest : public PsClusterTest {
  protected:
   void SetUp() override {
-    OptimizerOptions sgd;
-    sgd.kind = OptimizerOptions::Kind::kSgd;
-    sgd.learning_rate = 1.0f;
-    StartCluster(1, sgd, /*server_max_chunk=*/64 * 1024);
+    StartCluster(1, SgdLr1(), /*server_max_chunk=*/64 * 1024);
     client_ = Client(vars_, /*chunk=*/16 * 1024);
     Tensors init = Make(vars_, 0.0f);
     ASSERT_TRUE(client_->Register(init.cptrs()).ok());
