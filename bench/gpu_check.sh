@@ -1,34 +1,49 @@
 #!/usr/bin/env bash
-# GPU check for a fresh machine with an NVIDIA GPU (written for one H200,
-# 16 cores): installs the build dependencies (deploy/setup.sh, when
-# present), builds the CUDA backend test and step_bench, runs the gpu-labelled
-# tests, then step_bench on cuda (batch 64 and 256) and on cpu (16 threads)
-# for comparison. Logs go to ${OUT:-/tmp/gpu_check}; summary.txt has the
-# verdicts and the images/s lines. About 5-8 minutes; exits non-zero when a
-# phase fails (the other phases still run).
+# GPU check for a machine with an NVIDIA GPU (written for one H200, 16
+# cores). Runs the gpu-labelled tests (CUDA backend against the reference
+# backend), step_bench on cuda and cpu, the main job with --device=cuda (2 PS +
+# 2 workers, 3 epochs), the full step on cuda with one PS, and, since such a
+# machine has cores to spare, the CPU full-step and push/pull benchmarks with
+# the PS on cores of its own. About 6 minutes. Exits non-zero when a phase
+# fails (the other phases still run).
 #
-#   bash bench/gpu_check.sh            # from the repository root
-#   BUILD_DIR=build-gpu JOBS=16 STEPS=200 bash bench/gpu_check.sh
+# Two ways to get the binaries:
+#   bash bench/gpu_check.sh                  # builds here: needs deploy/setup.sh's packages
+#   PREBUILT=.gpubundle bash bench/gpu_check.sh
+# The second takes what bench/gpu_bundle.sh packed on a Debian 12 machine
+# (binaries, their libraries, Fashion-MNIST), for a GPU machine that has the
+# driver and the CUDA libraries (cuDNN, cuBLAS) but cannot install packages.
+#
+# Per-phase logs go to LOG_DIR (default /tmp/gpu_check); summary.txt (verdicts
+# and result lines) and all.log (every phase's log) go to $OUT when it is set,
+# else to LOG_DIR.
 set -u
 cd "$(dirname "$0")/.."
-LOG_DIR="${OUT:-/tmp/gpu_check}"
+repo=$(pwd)
+LOG_DIR="${LOG_DIR:-/tmp/gpu_check}"
+RESULT_DIR="${OUT:-$LOG_DIR}"
 BUILD_DIR="${BUILD_DIR:-build-gpu}"
-JOBS="${JOBS:-16}"
+JOBS="${JOBS:-$(nproc)}"
 STEPS="${STEPS:-200}"
-mkdir -p "$LOG_DIR"
-SUMMARY="$LOG_DIR/summary.txt"
+PREBUILT="${PREBUILT:-}"
+mkdir -p "$LOG_DIR" "$RESULT_DIR"
+SUMMARY="$RESULT_DIR/summary.txt"
+ALL="$RESULT_DIR/all.log"
 : >"$SUMMARY"
+: >"$ALL"
 failures=0
+note() { echo "$*" | tee -a "$SUMMARY"; }
 
 # phase NAME TIMEOUT_S CMD...: runs CMD with its output in $LOG_DIR/NAME.log.
 phase() {
   local name="$1" limit="$2"
   shift 2
   local start=$SECONDS rc
-  echo "=== $name: $*" | tee -a "$SUMMARY"
+  note "=== $name: $*"
   timeout --kill-after=10 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
   rc=$?
-  echo "    rc=$rc after $((SECONDS - start)) s (log: $name.log)" | tee -a "$SUMMARY"
+  note "    rc=$rc after $((SECONDS - start)) s"
+  { echo "===== $name (rc=$rc): $*"; cat "$LOG_DIR/$name.log"; } >>"$ALL"
   if [ "$rc" -ne 0 ]; then
     failures=$((failures + 1))
     tail -n 30 "$LOG_DIR/$name.log" | sed 's/^/    | /' | tee -a "$SUMMARY"
@@ -36,64 +51,117 @@ phase() {
   return "$rc"
 }
 
-if [ -f deploy/setup.sh ]; then
-  phase setup 300 bash deploy/setup.sh
+command -v nvidia-smi >/dev/null 2>&1 && phase nvidia_smi 60 nvidia-smi
+note "=== machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores, $(free -g | awk '/Mem:/{print $2}') GiB"
+
+if [ -n "$PREBUILT" ]; then
+  PREBUILT=$(cd "$PREBUILT" && pwd)
+  root=/tmp/psflow_gpu
+  rm -rf "$root" && mkdir -p "$root"
+  phase unpack 120 tar -C "$root" -xJf "$PREBUILT/psflow-gpu.tar.xz" || exit 1
+  BUILD_DIR=$root/build
+  DATA_DIR=${DATA_DIR:-$PREBUILT/data}
+  # cuDNN and cuBLAS from the machine: the CUDA toolkit's folders, the
+  # system's, or the NVIDIA wheels beside the machine's Python.
+  libdirs=$root/lib
+  for lib in libcudnn.so.9 libcublas.so.13 libcublasLt.so.13; do
+    found=$(find /usr/local/cuda*/ /usr/lib/x86_64-linux-gnu /opt /usr/local/lib \
+      -name "$lib" 2>/dev/null | head -n 1)
+    if [ -n "$found" ]; then
+      note "    $lib: $found"
+      libdirs=$libdirs:$(dirname "$found")
+    else
+      note "    $lib: not found on this machine"
+    fi
+  done
+  export LD_LIBRARY_PATH=$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  if ldd "$BUILD_DIR/worker/worker" "$BUILD_DIR/tests/worker/cuda/cuda_backend_test" 2>&1 \
+      | grep -q "GLIBCXX\|CXXABI\|GCC_[0-9]\|libstdc++.so.6 => not found"; then
+    note "    the machine's libstdc++ is older than the build's: using the bundled one"
+    export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$root/lib-fallback
+  fi
+  bins="$BUILD_DIR/bench/* $BUILD_DIR/worker/worker $BUILD_DIR/ps_server/ps_server \
+    $BUILD_DIR/tests/worker/cuda/cuda_backend_test"
+  phase libraries 60 bash -c "ldd $bins 2>&1 | grep -E 'not found|cudnn|cublas|cudart|libstdc' \
+    | sort | uniq -c; ! ldd $bins 2>&1 | grep -q 'not found'"
+  grep -E "not found|cudnn|cublas" "$LOG_DIR/libraries.log" | sed 's/^/    /' | tee -a "$SUMMARY"
 else
-  echo "=== setup: deploy/setup.sh not found; assuming the build dependencies are installed" \
-    | tee -a "$SUMMARY"
+  DATA_DIR=${DATA_DIR:-}
+  if [ -f deploy/setup.sh ]; then phase setup 300 bash deploy/setup.sh; fi
+  phase configure 120 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DPSFLOW_ENABLE_CUDA=ON || exit 1
+  grep -E "psflow: CUDA backend" "$LOG_DIR/configure.log" | tee -a "$SUMMARY"
+  phase build 360 cmake --build "$BUILD_DIR" -j"$JOBS" --target cuda_backend_test \
+    step_bench worker ps_server push_pull_bench
 fi
+BUILD_DIR=$(cd "$BUILD_DIR" && pwd)
+data_flag=()
+[ -z "$DATA_DIR" ] || data_flag=(--data_dir="$DATA_DIR")
 
-if command -v nvidia-smi >/dev/null 2>&1; then
-  phase nvidia_smi 60 nvidia-smi
-else
-  echo "=== nvidia_smi: not installed" | tee -a "$SUMMARY"
+# The CUDA backend against the reference backend; a failure is rerun with
+# synchronous launches so that an asynchronous kernel fault is reported at the
+# call that caused it.
+test_bin=$BUILD_DIR/tests/worker/cuda/cuda_backend_test
+if ! phase gpu_tests 180 "$test_bin"; then
+  phase gpu_tests_blocking 120 env CUDA_LAUNCH_BLOCKING=1 "$test_bin" --gtest_brief=1
 fi
-
-phase configure 120 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DPSFLOW_ENABLE_CUDA=ON || {
-  echo "configure failed; stopping" | tee -a "$SUMMARY"
-  exit 1
-}
-grep -E "psflow: CUDA backend" "$LOG_DIR/configure.log" | tee -a "$SUMMARY"
-
-targets=(cuda_backend_test)
-[ -f bench/step_bench.cc ] && targets+=(step_bench)
-phase build 360 cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"
-
-# Every gpu-labelled test; a failure is rerun with synchronous launches so
-# that an asynchronous kernel fault is reported at the call that caused it.
-if phase gpu_tests 180 ctest --test-dir "$BUILD_DIR" -L gpu --output-on-failure; then
-  :
-elif [ -x "$BUILD_DIR/tests/worker/cuda/cuda_backend_test" ]; then
-  phase gpu_tests_blocking 180 env CUDA_LAUNCH_BLOCKING=1 \
-    "$BUILD_DIR/tests/worker/cuda/cuda_backend_test" --gtest_brief=1
-fi
-grep -E "tests passed|tests failed|\(Failed\)|Not Run|Timeout" "$LOG_DIR/gpu_tests.log" \
-  2>/dev/null | head -n 40 | sed 's/^/    /' | tee -a "$SUMMARY"
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |tests ran" "$LOG_DIR/gpu_tests.log" | sed 's/^/    /' \
+  | tee -a "$SUMMARY"
 
 # bench NAME ARGS...: one step_bench run, its result lines into the summary.
 bench() {
   local name="$1"
   shift
-  phase "$name" 120 "$BUILD_DIR/bench/step_bench" "$@"
+  phase "$name" 90 "$BUILD_DIR/bench/step_bench" "$@"
   grep -E "^(step_bench: device|train|eval|JSON)" "$LOG_DIR/$name.log" | sed 's/^/    /' \
     | tee -a "$SUMMARY"
 }
+cpu_steps=$((STEPS / 4 > 10 ? STEPS / 4 : 10))
+bench step_bench_cuda_seed_b64 --device=cuda --model=seed --batch_size=64 --steps="$STEPS"
+bench step_bench_cuda_seed_b256 --device=cuda --model=seed --batch_size=256 --steps="$STEPS"
+bench step_bench_cuda_two_conv_b256 --device=cuda --model=two_conv --batch_size=256 \
+  --steps="$STEPS"
+bench step_bench_cpu_seed_b64 --device=cpu --threads=8 --model=seed --batch_size=64 \
+  --steps="$cpu_steps"
 
-if [ -x "$BUILD_DIR/bench/step_bench" ]; then
-  cpu_steps=$((STEPS / 4 > 10 ? STEPS / 4 : 10))
-  bench step_bench_cuda_seed_b64 --device=cuda --model=seed --batch_size=64 --steps="$STEPS"
-  bench step_bench_cuda_seed_b256 --device=cuda --model=seed --batch_size=256 --steps="$STEPS"
-  bench step_bench_cuda_two_conv_b256 --device=cuda --model=two_conv --batch_size=256 \
-    --steps="$STEPS"
-  bench step_bench_cpu_seed_b64 --device=cpu --threads=16 --model=seed --batch_size=64 \
-    --steps="$cpu_steps"
-  bench step_bench_cpu_seed_b256 --device=cpu --threads=16 --model=seed --batch_size=256 \
-    --steps="$cpu_steps"
-else
-  echo "=== step_bench: not built (bench/step_bench.cc missing or build failed)" | tee -a "$SUMMARY"
-  failures=$((failures + 1))
-fi
+# cluster NAME TIMEOUT_S ENV... -- WORKER_FLAGS...: deploy/local/run_cluster.sh
+# with the chief's summary JSON in the summary.
+cluster() {
+  local name="$1" limit="$2"
+  shift 2
+  local envs=()
+  while [ "$1" != "--" ]; do envs+=("$1"); shift; done
+  shift
+  phase "$name" "$limit" env "${envs[@]}" BUILD_DIR="$BUILD_DIR" LOG_DIR="$LOG_DIR/$name" \
+    bash "$repo/deploy/local/run_cluster.sh" "${data_flag[@]}" "$@"
+  grep -E "run_cluster: final" "$LOG_DIR/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
+  if [ -f "$LOG_DIR/$name/worker-0.json" ]; then
+    python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); n=s["steps"]; \
+print("    worker 0: %d steps, %.0f images/s, test_accuracy %s, per step ms: %s" % (n, \
+s["examples_per_sec"], s.get("test_accuracy"), ", ".join("%s %.2f" % (k[:-2], 1e3*v/n) \
+for k, v in s["phases"].items() if v > 0)))' "$LOG_DIR/$name/worker-0.json" | tee -a "$SUMMARY"
+    cat "$LOG_DIR/$name"/worker-*.json >>"$ALL"
+  fi
+}
+# The main job on the GPU: seed model, Fashion-MNIST, 2 PS + 2 workers, 3 epochs.
+cluster main_job_cuda 240 NUM_PS=2 NUM_WORKERS=2 -- --device=cuda --epochs=3 --batch_size=64
+# The full step on the GPU against one PS: overlapped (default) and fused.
+cluster full_step_cuda 90 NUM_PS=1 NUM_WORKERS=1 -- --device=cuda --epochs=1 \
+  --train_steps=400 --batch_size=64
+cluster full_step_cuda_fused 90 NUM_PS=1 NUM_WORKERS=1 -- --device=cuda --epochs=1 \
+  --train_steps=400 --batch_size=64 --fused_push_pull=true
 
-echo "=== done: $failures failed phase(s); logs in $LOG_DIR" | tee -a "$SUMMARY"
+# CPU: the full step against compute alone with the PS on cores of its own,
+# and push/pull against raw TCP with the client and the servers not sharing
+# two cores.
+for t in 1 8; do
+  phase "worker_throughput_t$t" 150 env THREADS=$t STEPS=300 DATA_DIR="$DATA_DIR" \
+    bash bench/worker_throughput.sh "$BUILD_DIR"
+  grep -E "^(full step|  per step|train)" "$LOG_DIR/worker_throughput_t$t.log" \
+    | sed 's/^/    /' | tee -a "$SUMMARY"
+done
+phase push_pull_bench 150 "$BUILD_DIR/bench/push_pull_bench" --iterations=30
+grep -vE "^\s*$" "$LOG_DIR/push_pull_bench.log" | tail -n 40 | sed 's/^/    /' >>"$SUMMARY"
+
+note "=== done: $failures failed phase(s); logs in $LOG_DIR"
 [ "$failures" -eq 0 ]

@@ -8,7 +8,7 @@
 # Both with THREADS compute threads (default 1); the PS runs beside them on
 # the same machine, or, with PS_NETNS and PS_HOST (see
 # deploy/local/run_cluster.sh), across an emulated network link.
-# Usage: bench/worker_throughput.sh [BUILD_DIR]
+# Usage: bench/worker_throughput.sh [BUILD_DIR]   (DATA_DIR: the worker's --data_dir)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 BUILD_DIR=${1:-$here/build}
@@ -25,7 +25,7 @@ for mode in "true false" "true true" "false false"; do
   LOG_DIR=/tmp/psflow_throughput NUM_PS=1 NUM_WORKERS=1 BUILD_DIR="$BUILD_DIR" \
     bash "$here/deploy/local/run_cluster.sh" --model=seed --batch_size=64 --epochs=1 \
     --train_steps="$STEPS" --threads="$THREADS" --device=cpu --overlap=$overlap \
-    --fused_push_pull=$fused >/tmp/psflow_tp.log 2>&1 \
+    --fused_push_pull=$fused ${DATA_DIR:+--data_dir="$DATA_DIR"} >/tmp/psflow_tp.log 2>&1 \
     || { cat /tmp/psflow_tp.log; exit 1; }
   python3 - "$compute" "overlap=$overlap fused=$fused" /tmp/psflow_throughput/worker-0.json <<'PY'
 import json, sys
