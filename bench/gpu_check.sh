@@ -124,16 +124,18 @@ bench step_bench_cuda_two_conv_b256 --device=cuda --model=two_conv --batch_size=
 bench step_bench_cpu_seed_b64 --device=cpu --threads=8 --model=seed --batch_size=64 \
   --steps="$cpu_steps"
 
-# cluster NAME TIMEOUT_S ENV... -- WORKER_FLAGS...: deploy/local/run_cluster.sh
-# with the chief's summary JSON in the summary.
+# cluster NAME TIMEOUT_S SCRIPT ENV... -- WORKER_FLAGS...: deploy/local/SCRIPT
+# (train.sh: the main job's optimizer settings; run_cluster.sh: the PS's
+# defaults) on the binaries of BUILD_DIR, the chief's summary JSON in the
+# summary.
 cluster() {
-  local name="$1" limit="$2"
-  shift 2
+  local name="$1" limit="$2" script="$3"
+  shift 3
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
   shift
-  phase "$name" "$limit" env "${envs[@]}" BUILD_DIR="$BUILD_DIR" LOG_DIR="$LOG_DIR/$name" \
-    bash "$repo/deploy/local/run_cluster.sh" "${data_flag[@]}" "$@"
+  phase "$name" "$limit" env "${envs[@]}" BUILD=0 BUILD_DIR="$BUILD_DIR" \
+    LOG_DIR="$LOG_DIR/$name" bash "$repo/deploy/local/$script" "${data_flag[@]}" "$@"
   grep -E "run_cluster: final" "$LOG_DIR/$name.log" | sed 's/^/    /' | tee -a "$SUMMARY"
   if [ -f "$LOG_DIR/$name/worker-0.json" ]; then
     python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); n=s["steps"]; \
@@ -143,13 +145,17 @@ for k, v in s["phases"].items() if v > 0)))' "$LOG_DIR/$name/worker-0.json" | te
     cat "$LOG_DIR/$name"/worker-*.json >>"$ALL"
   fi
 }
-# The main job on the GPU: seed model, Fashion-MNIST, 2 PS + 2 workers, 3 epochs.
-cluster main_job_cuda 240 NUM_PS=2 NUM_WORKERS=2 -- --device=cuda --epochs=3 --batch_size=64
+# The main job on the GPU (deploy/local/train.sh: seed model, Fashion-MNIST,
+# 2 PS + 2 workers, 3 epochs, its Adam settings); MAIN_JOB_RUNS times
+# (default 1) for its accuracy's spread.
+for run in $(seq "${MAIN_JOB_RUNS:-1}"); do
+  cluster "main_job_cuda_$run" 240 train.sh NUM_PS=2 NUM_WORKERS=2 -- --device=cuda
+done
 # The full step on the GPU against one PS: overlapped (default) and fused.
-cluster full_step_cuda 90 NUM_PS=1 NUM_WORKERS=1 -- --device=cuda --epochs=1 \
-  --train_steps=400 --batch_size=64
-cluster full_step_cuda_fused 90 NUM_PS=1 NUM_WORKERS=1 -- --device=cuda --epochs=1 \
-  --train_steps=400 --batch_size=64 --fused_push_pull=true
+cluster full_step_cuda 90 run_cluster.sh NUM_PS=1 NUM_WORKERS=1 -- --device=cuda \
+  --epochs=1 --train_steps=400 --batch_size=64
+cluster full_step_cuda_fused 90 run_cluster.sh NUM_PS=1 NUM_WORKERS=1 -- --device=cuda \
+  --epochs=1 --train_steps=400 --batch_size=64 --fused_push_pull=true
 
 # CPU: the full step against compute alone with the PS on cores of its own,
 # and push/pull against raw TCP with the client and the servers not sharing
@@ -161,7 +167,7 @@ for t in 1 8; do
     | sed 's/^/    /' | tee -a "$SUMMARY"
 done
 phase push_pull_bench 150 "$BUILD_DIR/bench/push_pull_bench" --iterations=30
-grep -vE "^\s*$" "$LOG_DIR/push_pull_bench.log" | tail -n 40 | sed 's/^/    /' >>"$SUMMARY"
+grep -vE "^\s*$|^JSON" "$LOG_DIR/push_pull_bench.log" | sed 's/^/    /' >>"$SUMMARY"
 
 note "=== done: $failures failed phase(s); logs in $LOG_DIR"
 [ "$failures" -eq 0 ]

@@ -9,9 +9,10 @@
 # Arguments go to the workers (e.g. --model=two_conv --epochs=8); the decay
 # follows --epochs and --batch_size given here. PS_FLAGS replaces the
 # optimizer settings (e.g. PS_FLAGS="--learning_rate=0.001" for constant Adam).
+# BUILD=0 skips the build and runs the binaries already in BUILD_DIR.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
-bash "$here/deploy/build.sh"
+[ "${BUILD:-1}" = 0 ] || bash "$here/deploy/build.sh"
 
 epochs=3 batch=64 examples=60000 cap=0  # Fashion-MNIST's training set
 for arg in "$@"; do
