@@ -54,6 +54,9 @@ ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
 ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"}),
           "Shard counts to run, comma-separated.");
+ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1"}),
+          "Connections per shard a push is split over (the client's streams_per_shard), each "
+          "value measured in turn, e.g. 1,2,4.");
 ABSL_FLAG(std::vector<std::string>, ps_flags, {},
           "Extra ps_server flags, comma-separated (e.g. --apply_threads=2).");
 ABSL_FLAG(std::string, ops, "push,pull,pushpull",
@@ -325,7 +328,7 @@ struct Run {
 // round runs a batch of every operation in turn, so all of them see the
 // same state of this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
-             const std::vector<psflow::VariableSpec>& vars, RawLink* raw) {
+             const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
@@ -337,6 +340,7 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   psflow::worker::GrpcPsClientOptions options;
   options.ps_addresses = cluster.addresses;
   options.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.streams_per_shard = streams;
   auto client = psflow::worker::CreateGrpcPsClient(vars, options);
   if (!client.ok()) Die(std::string(client.status().message()));
   std::vector<std::vector<float>> values, grads;
@@ -425,7 +429,7 @@ int main(int argc, char** argv) {
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
     if (&t == &raw) return;
-    std::printf("JSON {\"transport\":\"%s\",\"shards\":%s,\"op\":\"%s\",\"median_ms\":%.3f,"
+    std::printf("JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\",\"median_ms\":%.3f,"
                 "\"mean_ms\":%.3f,\"gbps\":%.3f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
                 "\"client_cpu_ms\":%.3f,\"server_cpu_ms\":%.3f,\"raw_cpu_ms\":%.3f}\n",
                 xport, shards.c_str(), op, t.median_s * 1e3, t.mean_s * 1e3, gbs, raw_gbs,
@@ -439,30 +443,41 @@ int main(int argc, char** argv) {
       continue;
     }
     RawLink raw(unix_socket, static_cast<size_t>(bytes));
-    for (const std::string& shard_flag : absl::GetFlag(FLAGS_shards)) {
-      int shards = 0;
-      if (!absl::SimpleAtoi(shard_flag, &shards) || shards < 1) Die("bad --shards " + shard_flag);
-      Run run = RunModel(binary, shards, unix_socket, vars, &raw);
-      print(name, shard_flag, "raw", run.raw, run.raw);
-      print(name, shard_flag, "push", run.push, run.raw);
-      print(name, shard_flag, "pull", run.pull, run.raw);
-      print(name, shard_flag, "pushpull", run.push_pull, run.raw);
-      if (run.push_pull.median_s > 0 && run.push.median_s > 0 && run.pull.median_s > 0) {
-        // PushPull moves the bytes both ways: compare it with the two calls.
-        const double apart = run.push.median_s + run.pull.median_s;
-        std::printf("       pushpull %.2f ms vs push + pull %.2f ms: %.2fx\n",
-                    run.push_pull.median_s * 1e3, apart * 1e3, apart / run.push_pull.median_s);
-        std::printf("JSON {\"transport\":\"%s\",\"shards\":%s,\"pushpull_ms\":%.3f,"
-                    "\"push_plus_pull_ms\":%.3f,\"speedup\":%.3f}\n",
-                    name, shard_flag.c_str(), run.push_pull.median_s * 1e3, apart * 1e3,
-                    apart / run.push_pull.median_s);
-      }
-      for (const auto& s : run.status) {
-        const double limit = 3.2 * s.parameter_bytes() + 64.0 * (1 << 20);
-        std::printf("       memory: shard %d resident %.1f MB, parameters %.1f MB, bound "
-                    "3.2x+64MiB = %.1f MB -> %s\n",
-                    s.shard_index(), s.resident_bytes() / 1e6, s.parameter_bytes() / 1e6,
-                    limit / 1e6, s.resident_bytes() <= limit ? "within" : "OVER");
+    for (const std::string& shards_text : absl::GetFlag(FLAGS_shards)) {
+      for (const std::string& streams_text : absl::GetFlag(FLAGS_streams)) {
+        int shards = 0, streams = 0;
+        if (!absl::SimpleAtoi(shards_text, &shards) || shards < 1) {
+          Die("bad --shards " + shards_text);
+        }
+        if (!absl::SimpleAtoi(streams_text, &streams) || streams < 1) {
+          Die("bad --streams " + streams_text);
+        }
+        // The shards column: "2" for 2 shards, "2x4" for 2 shards with pushes
+        // split over 4 connections each.
+        const std::string shard_flag =
+            streams == 1 ? shards_text : absl::StrCat(shards, "x", streams);
+        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams);
+        print(name, shard_flag, "raw", run.raw, run.raw);
+        print(name, shard_flag, "push", run.push, run.raw);
+        print(name, shard_flag, "pull", run.pull, run.raw);
+        print(name, shard_flag, "pushpull", run.push_pull, run.raw);
+        if (run.push_pull.median_s > 0 && run.push.median_s > 0 && run.pull.median_s > 0) {
+          // PushPull moves the bytes both ways: compare it with the two calls.
+          const double apart = run.push.median_s + run.pull.median_s;
+          std::printf("       pushpull %.2f ms vs push + pull %.2f ms: %.2fx\n",
+                      run.push_pull.median_s * 1e3, apart * 1e3, apart / run.push_pull.median_s);
+          std::printf("JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"pushpull_ms\":%.3f,"
+                      "\"push_plus_pull_ms\":%.3f,\"speedup\":%.3f}\n",
+                      name, shard_flag.c_str(), run.push_pull.median_s * 1e3, apart * 1e3,
+                      apart / run.push_pull.median_s);
+        }
+        for (const auto& s : run.status) {
+          const double limit = 3.2 * s.parameter_bytes() + 64.0 * (1 << 20);
+          std::printf("       memory: shard %d resident %.1f MB, parameters %.1f MB, bound "
+                      "3.2x+64MiB = %.1f MB -> %s\n",
+                      s.shard_index(), s.resident_bytes() / 1e6, s.parameter_bytes() / 1e6,
+                      limit / 1e6, s.resident_bytes() <= limit ? "within" : "OVER");
+        }
       }
     }
   }

@@ -586,13 +586,34 @@ class PsServer::Service final : public grpc::Service {
 
   absl::Status DoPull(grpc::ServerContext* context, const PullRequest& request,
                       grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-    std::vector<PartSnapshot> parts;
-    if (request.variables().empty()) {
-      parts = store_->ListParts();
+    // What to read: elements [begin, end) of each part, in order.
+    struct Span {
+      PartSnapshot part;
+      int64_t begin, end;
+    };
+    std::vector<Span> spans;
+    if (!request.ranges().empty()) {
+      for (const PullRange& range : request.ranges()) {
+        PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(range.variable()));
+        if (range.offset() < 0 || range.count() < 0 ||
+            range.count() > part.num_elements - range.offset()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "Pull: range of '", range.variable(), "' covers elements [", range.offset(), ",",
+              range.offset() + range.count(), ") but its part on ps shard ",
+              store_->options().shard_index, " has ", part.num_elements, " elements"));
+        }
+        spans.push_back({std::move(part), range.offset(), range.offset() + range.count()});
+      }
+    } else if (request.variables().empty()) {
+      for (PartSnapshot& part : store_->ListParts()) {
+        const int64_t n = part.num_elements;
+        spans.push_back({std::move(part), 0, n});
+      }
     } else {
       for (const std::string& name : request.variables()) {
         PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(name));
-        parts.push_back(std::move(part));
+        const int64_t n = part.num_elements;
+        spans.push_back({std::move(part), 0, n});
       }
     }
     int64_t chunk_bytes = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
@@ -609,10 +630,10 @@ class PsServer::Service final : public grpc::Service {
     std::vector<Piece> plan;
     std::vector<size_t> message_ends;  // index into plan after each message
     int64_t in_msg = 0;
-    for (const PartSnapshot& part : parts) {
-      for (int64_t offset = 0; offset < part.num_elements;) {
-        const int64_t take = std::min(part.num_elements - offset, chunk_elements - in_msg);
-        plan.push_back({&part, offset, take});
+    for (const Span& span : spans) {
+      for (int64_t offset = span.begin; offset < span.end;) {
+        const int64_t take = std::min(span.end - offset, chunk_elements - in_msg);
+        plan.push_back({&span.part, offset, take});
         offset += take;
         in_msg += take;
         if (in_msg >= chunk_elements) {

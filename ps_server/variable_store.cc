@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,48 @@ absl::Status ValidateDefinition(const PartDefinition& def) {
                      def.row_end, "); expected a non-empty range within [0,", rows, ")"));
   }
   return absl::OkStatus();
+}
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+// Whether [begin, end) shares an element with any range of `ranges`.
+bool OverlapsAny(const Ranges& ranges, int64_t begin, int64_t end) {
+  for (const auto& [b, e] : ranges) {
+    if (b < end && begin < e) return true;
+  }
+  return false;
+}
+
+// The parts of [begin, end) that `done` (sorted, disjoint) does not cover.
+Ranges Uncovered(const Ranges& done, int64_t begin, int64_t end) {
+  Ranges out;
+  int64_t at = begin;
+  for (const auto& [b, e] : done) {
+    if (e <= at) continue;
+    if (b >= end) break;
+    if (b > at) out.emplace_back(at, b);
+    at = std::max(at, e);
+    if (at >= end) break;
+  }
+  if (at < end) out.emplace_back(at, end);
+  return out;
+}
+
+// Adds [begin, end) to `ranges` (sorted, disjoint, adjacent ones merged).
+void AddRange(Ranges* ranges, int64_t begin, int64_t end) {
+  auto it = std::lower_bound(ranges->begin(), ranges->end(), std::make_pair(begin, end));
+  // Merge with a neighbour on the left that touches or overlaps.
+  if (it != ranges->begin() && std::prev(it)->second >= begin) {
+    --it;
+    begin = it->first;
+    end = std::max(end, it->second);
+    it = ranges->erase(it);
+  }
+  while (it != ranges->end() && it->first <= end) {
+    end = std::max(end, it->second);
+    it = ranges->erase(it);
+  }
+  ranges->insert(it, {begin, end});
 }
 
 }  // namespace
@@ -287,38 +330,65 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       *part, offset, data, count,
       !values_checked && !store_->options_.allow_non_finite_gradients));
   if (count == 0) return absl::OkStatus();
-  const void* grad = data;  // the kernels read it at any alignment
-  absl::MutexLock entry_lock(&entry_->mu);
-  LedgerEntry::Progress& progress = entry_->progress[part];
-  if (offset + count <= progress.applied) {
-    skipped_ += count;
-    store_->duplicate_elements_ += count;
+  // Claim the elements of [offset, offset + count) that this request id has
+  // not applied yet, after any other session of the id has finished with
+  // overlapping ones; then update them outside the entry's lock.
+  Ranges todo;
+  int64_t step = 0;
+  LedgerEntry::Progress* progress = nullptr;
+  {
+    absl::MutexLock entry_lock(&entry_->mu);
+    progress = &entry_->progress[part];
+    struct Claim {
+      const Ranges* in_flight;
+      int64_t begin, end;
+    } claim{&progress->in_flight, offset, offset + count};
+    entry_->mu.Await(absl::Condition(
+        +[](Claim* c) { return !OverlapsAny(*c->in_flight, c->begin, c->end); }, &claim));
+    todo = Uncovered(progress->done, offset, offset + count);
+    if (!todo.empty()) {
+      progress->in_flight.insert(progress->in_flight.end(), todo.begin(), todo.end());
+      if (progress->step == 0) {
+        absl::MutexLock lock(&part->mu);
+        progress->step = ++part->version;
+      }
+    }
+    step = progress->step;
+  }
+  int64_t applied = 0;
+  if (todo.empty()) {
     if (read_back != nullptr) {
       absl::ReaderMutexLock lock(&part->mu);
       std::memcpy(read_back, part->params.data() + offset, count * 4);
       if (version != nullptr) *version = part->version;
     }
-    return absl::OkStatus();
-  }
-  if (offset != progress.applied) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "segments of '", variable, "' must arrive in order within a push: expected offset ",
-        progress.applied, ", got ", offset));
-  }
-  {
+  } else {
     absl::MutexLock lock(&part->mu);
-    if (progress.step == 0) progress.step = ++part->version;
-    float* slots[4];
-    for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + offset;
-    store_->optimizer_->Apply(progress.step, part->params.data() + offset, slots, grad, count);
+    for (const auto& [begin, end] : todo) {
+      float* slots[4];
+      for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + begin;
+      // The kernels read the gradient at any alignment.
+      const char* grad = static_cast<const char*>(data) + 4 * (begin - offset);
+      store_->optimizer_->Apply(step, part->params.data() + begin, slots, grad, end - begin);
+      applied += end - begin;
+    }
     if (read_back != nullptr) {  // the values are in cache now: the copy is cheap
       std::memcpy(read_back, part->params.data() + offset, count * 4);
       if (version != nullptr) *version = part->version;
     }
   }
-  progress.applied += count;
-  applied_ += count;
-  store_->elements_applied_ += count;
+  if (!todo.empty()) {
+    absl::MutexLock entry_lock(&entry_->mu);
+    for (const auto& range : todo) {
+      progress->in_flight.erase(
+          std::find(progress->in_flight.begin(), progress->in_flight.end(), range));
+      AddRange(&progress->done, range.first, range.second);
+    }
+  }
+  applied_ += applied;
+  skipped_ += count - applied;
+  store_->elements_applied_ += applied;
+  store_->duplicate_elements_ += count - applied;
   return absl::OkStatus();
 }
 

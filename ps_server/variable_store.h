@@ -13,13 +13,15 @@
 #include <deque>
 #include <memory>
 #include <string>
-#include "absl/strings/string_view.h"
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "common/float_buffer.h"
 #include "ps_server/optimizer.h"
@@ -88,15 +90,24 @@ class VariableStore {
     int64_t version ABSL_GUARDED_BY(mu) = 0;
   };
 
-  // What one request id has applied: per part, the step it was given and the
-  // contiguous prefix of elements already updated.
+  // Half-open element ranges [first, second), sorted, disjoint, adjacent
+  // ones merged.
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+  // What one request id has applied: per part, the step it was given, the
+  // elements already updated and those being updated right now. A push may
+  // arrive over several streams at once (each a PushSession with the same
+  // request id), so a part's segments can come in any order and in parallel;
+  // the entry's lock is not held while the optimizer runs.
   struct LedgerEntry {
     struct Progress {
       int64_t step = 0;
-      int64_t applied = 0;
+      Ranges done;
+      Ranges in_flight;
     };
     absl::Mutex mu;
-    absl::flat_hash_map<const Part*, Progress> progress ABSL_GUARDED_BY(mu);
+    // node_hash_map: a waiting session keeps a pointer to its Progress.
+    absl::node_hash_map<const Part*, Progress> progress ABSL_GUARDED_BY(mu);
   };
 
  public:
@@ -138,7 +149,12 @@ class VariableStore {
 
   // One Push call. Apply() validates a segment fully before touching any
   // value and applies the optimizer to it at once; see proto/psflow.proto for
-  // the exactly-once rule per request id. Not thread-safe.
+  // the exactly-once rule per request id: each element of a part is updated
+  // at most once per request id, whatever the order of the segments and
+  // however many sessions (streams) carry them at once. Elements already
+  // applied under the id are skipped; a segment overlapping one that another
+  // session is applying right now waits for it. One session is not
+  // thread-safe; sessions of the same request id may run in parallel.
   class PushSession {
    public:
     ~PushSession();

@@ -94,29 +94,41 @@ class GrpcPsClient final : public PsClient {
  public:
   GrpcPsClient(PartitionPlan plan, const GrpcPsClientOptions& options)
       : plan_(std::move(plan)), options_(options), shards_(plan_.num_shards()) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(-1);
-    args.SetMaxSendMessageSize(-1);
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
-      shard.channel = grpc::CreateCustomChannel(options_.ps_addresses[s],
-                                                grpc::InsecureChannelCredentials(), args);
+      shard.conns.resize(std::max(1, options_.streams_per_shard));
+      for (size_t k = 0; k < shard.conns.size(); ++k) {
+        Connection& c = shard.conns[k];
+        grpc::ChannelArguments args;
+        args.SetMaxReceiveMessageSize(-1);
+        args.SetMaxSendMessageSize(-1);
+        if (shard.conns.size() > 1) {
+          // A subchannel pool of its own, so that each channel opens its own
+          // connection instead of sharing one with the shard's other channels.
+          args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+          args.SetInt("psflow.connection_index", static_cast<int>(k));
+        }
+        c.channel = grpc::CreateCustomChannel(options_.ps_addresses[s],
+                                              grpc::InsecureChannelCredentials(), args);
+        c.push_method = std::make_unique<grpc::internal::RpcMethod>(
+            "/psflow.ParameterServer/Push", grpc::internal::RpcMethod::CLIENT_STREAMING,
+            c.channel);
+        c.push_pull_method = std::make_unique<grpc::internal::RpcMethod>(
+            "/psflow.ParameterServer/PushPull", grpc::internal::RpcMethod::BIDI_STREAMING,
+            c.channel);
+        c.pull_method = std::make_unique<grpc::internal::RpcMethod>(
+            "/psflow.ParameterServer/Pull", grpc::internal::RpcMethod::SERVER_STREAMING,
+            c.channel);
+      }
+      shard.channel = shard.conns[0].channel;
       shard.stub = ParameterServer::NewStub(shard.channel);
-      shard.push_method = std::make_unique<grpc::internal::RpcMethod>(
-          "/psflow.ParameterServer/Push", grpc::internal::RpcMethod::CLIENT_STREAMING,
-          shard.channel);
-      shard.pull_method = std::make_unique<grpc::internal::RpcMethod>(
-          "/psflow.ParameterServer/Pull", grpc::internal::RpcMethod::SERVER_STREAMING,
-          shard.channel);
-      shard.push_pull_method = std::make_unique<grpc::internal::RpcMethod>(
-          "/psflow.ParameterServer/PushPull", grpc::internal::RpcMethod::BIDI_STREAMING,
-          shard.channel);
       shard.parts = plan_.PartsOnShard(s);
       for (int p : shard.parts) {
         const Part& part = plan_.parts()[p];
         shard.by_name.emplace(plan_.variables()[part.variable_index].name, p);
       }
+      shard.push_messages = PlanPushMessages(shard.parts);
     }
   }
 
@@ -168,9 +180,27 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckCount(values.size(), "Pull"));
     std::vector<PullResult> results(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(options_.retry, [&] { return PullOnce(s, values, &results[s]); });
+      return RetryCall(options_.retry, [&] {
+        const int streams = NumStreams(s);
+        if (streams == 1) return PullOnce(s, 0, 0, 0, values, &results[s]);
+        std::vector<PullResult> parts(streams);
+        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
+          return PullOnce(s, k, begin, end, values, &parts[k]);
+        }));
+        results[s] = CombineStreams(parts);
+        return absl::OkStatus();
+      });
     }));
     return Combine(results);
+  }
+
+  static PullResult CombineStreams(const std::vector<PullResult>& parts) {
+    PullResult out = parts[0];
+    for (size_t k = 1; k < parts.size(); ++k) {
+      out.min_version = std::min(out.min_version, parts[k].min_version);
+      out.max_version = std::max(out.max_version, parts[k].max_version);
+    }
+    return out;
   }
 
   // The versions read from every shard that holds parts.
@@ -195,7 +225,11 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryCall(options_.retry, [&] { return PushOnce(s, grads, info, request_id); });
+      return RetryCall(options_.retry, [&] {
+        return ForEachStream(s, [&](int k, size_t begin, size_t end) {
+          return PushOnce(s, k, begin, end, grads, info, request_id);
+        });
+      });
     });
   }
 
@@ -209,7 +243,18 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
       return RetryCall(options_.retry, [&] {
-        return PushPullOnce(s, grads, info, request_id, values, &results[s]);
+        const int streams = NumStreams(s);
+        std::vector<PullResult> parts(streams);
+        std::vector<int64_t> received(streams, 0);
+        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
+          return PushPullOnce(s, k, begin, end, grads, info, request_id, values, &parts[k],
+                              &received[k]);
+        }));
+        int64_t total = 0;
+        for (int k = 0; k < streams; ++k) total += received[k];
+        PSFLOW_RETURN_IF_ERROR(CheckReceived(s, total));
+        results[s] = CombineStreams(parts);
+        return absl::OkStatus();
       });
     }));
     return Combine(results);
@@ -233,19 +278,82 @@ class GrpcPsClient final : public PsClient {
     wire::DecodedMessage msg;
   };
 
+  // One connection to a shard, carrying one stream of a push.
+  struct Connection {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<grpc::internal::RpcMethod> push_method;  // Push with ByteBuffer messages
+    std::unique_ptr<grpc::internal::RpcMethod> push_pull_method;  // PushPull, ByteBuffers
+    std::unique_ptr<grpc::internal::RpcMethod> pull_method;  // Pull with ByteBuffer messages
+    PullBuffers push_pull_in;  // reused across calls
+    PullBuffers pull_in;
+  };
+
+  // A run of one part's elements in a push message.
+  struct SegmentRef {
+    int part;  // index into plan_.parts()
+    int64_t offset;
+    int64_t count;
+  };
+
   struct Shard {
     std::string name;
-    std::shared_ptr<grpc::Channel> channel;
+    std::shared_ptr<grpc::Channel> channel;  // conns[0]'s: Register, Pull, GetStatus
     std::unique_ptr<ParameterServer::Stub> stub;
-    std::unique_ptr<grpc::internal::RpcMethod> push_method;  // Push with ByteBuffer messages
+    std::vector<Connection> conns;                 // streams_per_shard of them
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    std::unique_ptr<grpc::internal::RpcMethod> pull_method;  // Pull with ByteBuffer messages
-    std::unique_ptr<grpc::internal::RpcMethod> push_pull_method;  // PushPull, ByteBuffers
-    // Reused across calls so that their vectors are allocated once.
-    PullBuffers pull_in;
-    PullBuffers push_pull_in;
+    // A push's messages: max_chunk_bytes of data each, big parts spanning
+    // messages and small ones sharing one. A push or pull over several
+    // connections gives each a contiguous share of them.
+    std::vector<std::vector<SegmentRef>> push_messages;
   };
+
+  std::vector<std::vector<SegmentRef>> PlanPushMessages(const std::vector<int>& parts) const {
+    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
+    std::vector<std::vector<SegmentRef>> messages(1);
+    int64_t in_msg = 0;
+    for (int p : parts) {
+      const int64_t n = plan_.parts()[p].num_elements();
+      for (int64_t offset = 0; offset < n;) {
+        const int64_t take = std::min(n - offset, chunk - in_msg);
+        messages.back().push_back({p, offset, take});
+        offset += take;
+        in_msg += take;
+        if (in_msg >= chunk) {
+          messages.emplace_back();
+          in_msg = 0;
+        }
+      }
+    }
+    if (messages.back().empty() && messages.size() > 1) messages.pop_back();
+    return messages;
+  }
+
+  // Streams a push to shard s is split over: no more than its messages.
+  int NumStreams(int s) const {
+    return static_cast<int>(std::min(shards_[s].conns.size(), shards_[s].push_messages.size()));
+  }
+
+  // Runs fn(k, begin, end) for each stream k of a push to shard s, in
+  // parallel, with messages [begin, end) of the shard's push. The first
+  // error that a retry cannot cure wins, else the first error.
+  absl::Status ForEachStream(int s, const std::function<absl::Status(int, size_t, size_t)>& fn) {
+    const int streams = NumStreams(s);
+    const size_t m = shards_[s].push_messages.size();
+    auto run = [&](int k) { return fn(k, m * k / streams, m * (k + 1) / streams); };
+    if (streams == 1) return run(0);
+    std::vector<absl::Status> results(streams);
+    std::vector<std::thread> threads;
+    for (int k = 1; k < streams; ++k) threads.emplace_back([&, k] { results[k] = run(k); });
+    results[0] = run(0);
+    for (auto& t : threads) t.join();
+    absl::Status first;
+    for (const absl::Status& r : results) {
+      if (!r.ok() && !IsRetryable(r)) return r;
+      if (first.ok()) first = r;
+    }
+    return first;
+  }
 
   // Refuses a gradient with NaN/Inf before anything is sent, so that no
   // shard applies part of it.
@@ -343,10 +451,12 @@ class GrpcPsClient final : public PsClient {
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
-  // Writes shard s's share of `grads` as PushRequest messages (the header in
-  // the first) and half-closes the stream. False when the stream broke.
-  bool WritePush(int s, absl::Span<const float* const> grads, const PushInfo& info,
-                 uint64_t request_id, grpc::internal::WriterInterface<grpc::ByteBuffer>* writer,
+  // Writes messages [begin, end) of shard s's push of `grads` as
+  // PushRequest messages (the header in the first) and half-closes the
+  // stream. False when the stream broke.
+  bool WritePush(int s, size_t begin, size_t end, absl::Span<const float* const> grads,
+                 const PushInfo& info, uint64_t request_id,
+                 grpc::internal::WriterInterface<grpc::ByteBuffer>* writer,
                  const std::function<bool()>& writes_done) {
     Shard& shard = shards_[s];
     PushHeader header;
@@ -357,26 +467,13 @@ class GrpcPsClient final : public PsClient {
     PushEncoder encoder;
     encoder.SetHeader(header);
     grpc::ByteBuffer message;
-    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
-    int64_t in_msg = 0;
     bool ok = true;
-    for (size_t i = 0; i < shard.parts.size() && ok; ++i) {
-      const Part& part = plan_.parts()[shard.parts[i]];
-      const std::string& name = plan_.variables()[part.variable_index].name;
-      const float* base = grads[part.variable_index] + part.elem_begin;
-      for (int64_t offset = 0; offset < part.num_elements() && ok;) {
-        const int64_t take = std::min(part.num_elements() - offset, chunk - in_msg);
-        encoder.AddSegment(name, offset, base + offset, take);
-        offset += take;
-        in_msg += take;
-        if (in_msg >= chunk) {
-          encoder.Take(&message);
-          ok = writer->Write(message);
-          in_msg = 0;
-        }
+    for (size_t i = begin; i < end && ok; ++i) {
+      for (const SegmentRef& seg : shard.push_messages[i]) {
+        const Part& part = plan_.parts()[seg.part];
+        encoder.AddSegment(plan_.variables()[part.variable_index].name, seg.offset,
+                           grads[part.variable_index] + part.elem_begin + seg.offset, seg.count);
       }
-    }
-    if (ok && !encoder.empty()) {
       encoder.Take(&message);
       ok = writer->Write(message);
     }
@@ -445,67 +542,99 @@ class GrpcPsClient final : public PsClient {
                                             expected, " elements this worker expects"));
   }
 
-  absl::Status PushOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
+  // One stream of a push to shard s: messages [begin, end) on connection k.
+  absl::Status PushOnce(int s, int k, size_t begin, size_t end,
+                        absl::Span<const float* const> grads, const PushInfo& info,
                         uint64_t request_id) {
     Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
     grpc::ClientContext context;
     SetDeadline(&context);
     PushResponse response;
     // What the generated stub does, with ByteBuffer messages (PushEncoder).
     std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
         grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-            shard.channel.get(), *shard.push_method, &context, &response));
-    WritePush(s, grads, info, request_id, writer.get(), [&] { return writer->WritesDone(); });
+            conn.channel.get(), *conn.push_method, &context, &response));
+    WritePush(s, begin, end, grads, info, request_id, writer.get(),
+              [&] { return writer->WritesDone(); });
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
-  absl::Status PullOnce(int s, absl::Span<float* const> values, PullResult* result) {
+  // A pull from shard s on connection k: every part when begin == end,
+  // else the elements of the shard's push messages [begin, end).
+  absl::Status PullOnce(int s, int k, size_t begin, size_t end, absl::Span<float* const> values,
+                        PullResult* result) {
     Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
     grpc::ClientContext context;
     SetDeadline(&context);
     PullRequest request;
     request.set_worker_id(options_.worker_id);
     request.set_max_chunk_bytes(options_.max_chunk_bytes);
+    int64_t expected = begin == end ? ShardElements(s) : 0;
+    for (size_t i = begin; i < end; ++i) {
+      for (const SegmentRef& seg : shard.push_messages[i]) {
+        const std::string& name = plan_.variables()[plan_.parts()[seg.part].variable_index].name;
+        PullRange* last = request.ranges().empty()
+                              ? nullptr
+                              : request.mutable_ranges(request.ranges_size() - 1);
+        if (last != nullptr && last->variable() == name &&
+            last->offset() + last->count() == seg.offset) {
+          last->set_count(last->count() + seg.count);  // the same part, continued
+        } else {
+          PullRange* range = request.add_ranges();
+          range->set_variable(name);
+          range->set_offset(seg.offset);
+          range->set_count(seg.count);
+        }
+        expected += seg.count;
+      }
+    }
     // What the generated stub does, reading raw ByteBuffers: each segment's
     // data is copied once, from gRPC's slices straight into the tensor.
     std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
         grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-            shard.channel.get(), *shard.pull_method, &context, request));
+            conn.channel.get(), *conn.pull_method, &context, request));
     int64_t received = 0;
-    absl::Status bad = ReadValues(s, reader.get(), &shard.pull_in, values, result, &received);
+    absl::Status bad = ReadValues(s, reader.get(), &conn.pull_in, values, result, &received);
     if (!bad.ok()) {
       context.TryCancel();
       reader->Finish();
       return bad;
     }
     PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
-    return CheckReceived(s, received);
+    if (received == expected) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat(shard.name, " returned ", received, " of the ",
+                                            expected, " elements this worker expects"));
   }
 
-  // One PushPull call: a helper thread writes the gradient while this thread
+  // One stream of a PushPull to shard s (messages [begin, end) on
+  // connection k): a helper thread writes the gradient while this thread
   // reads the values coming back (the server answers each message as soon
-  // as it is applied, so both must run at once).
-  absl::Status PushPullOnce(int s, absl::Span<const float* const> grads, const PushInfo& info,
+  // as it is applied, so both must run at once). The elements received are
+  // added to `*received`.
+  absl::Status PushPullOnce(int s, int k, size_t begin, size_t end,
+                            absl::Span<const float* const> grads, const PushInfo& info,
                             uint64_t request_id, absl::Span<float* const> values,
-                            PullResult* result) {
+                            PullResult* result, int64_t* received) {
     Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
     grpc::ClientContext context;
     SetDeadline(&context);
     std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
         grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-            shard.channel.get(), *shard.push_pull_method, &context));
+            conn.channel.get(), *conn.push_pull_method, &context));
     std::thread writer([&] {
-      WritePush(s, grads, info, request_id, stream.get(), [&] { return stream->WritesDone(); });
+      WritePush(s, begin, end, grads, info, request_id, stream.get(),
+                [&] { return stream->WritesDone(); });
     });
-    int64_t received = 0;
-    absl::Status bad =
-        ReadValues(s, stream.get(), &shard.push_pull_in, values, result, &received);
+    *received = 0;
+    absl::Status bad = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
     if (!bad.ok()) context.TryCancel();  // also ends a Write the server no longer reads
     writer.join();
     const grpc::Status status = stream->Finish();
     PSFLOW_RETURN_IF_ERROR(bad);
-    PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(status, shard.name));
-    return CheckReceived(s, received);
+    return FromGrpcStatus(status, shard.name);
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out) {
@@ -535,6 +664,11 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
                                                              const GrpcPsClientOptions& options) {
   if (options.ps_addresses.empty()) {
     return absl::InvalidArgumentError("no ps addresses given (--ps_hosts or TF_CONFIG cluster.ps)");
+  }
+  if (options.streams_per_shard < 1 || options.streams_per_shard > 64) {
+    return absl::InvalidArgumentError(absl::StrCat("streams_per_shard is ",
+                                                   options.streams_per_shard,
+                                                   "; expected 1 to 64"));
   }
   if (options.max_chunk_bytes < 4) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,

@@ -1,4 +1,5 @@
-// The gRPC PsClient: one channel per PS shard, every call with a deadline,
+// The gRPC PsClient: one channel per PS shard (or several, see
+// streams_per_shard), every call with a deadline,
 // transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) retried with capped
 // exponential backoff and jitter.
 #ifndef PSFLOW_WORKER_GRPC_PS_CLIENT_H_
@@ -24,6 +25,11 @@ struct GrpcPsClientOptions {
   absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
   RetryOptions retry;
   bool check_finite = true;  // refuse to push NaN/Inf (before anything is sent)
+  // Connections per shard that a Push or PushPull is split over: each
+  // carries a contiguous share of the shard's messages on its own HTTP/2
+  // connection (so the shard receives them on separate threads), all with
+  // the same request id. 1 sends each push as one stream.
+  int streams_per_shard = 1;
 };
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,

@@ -55,6 +55,9 @@ ABSL_FLAG(bool, fused_push_pull, false,
           "directions at once (about half the communication time on a network link; the "
           "values read are a little older). Default: a Push, then a Pull.");
 ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20, "Tensor data per stream message.");
+ABSL_FLAG(int, ps_streams, 1,
+          "Connections per ps shard that each push (or PushPull) is split over, so that the "
+          "shard receives it on several threads; 1 to 64.");
 ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
 ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
           "register the variables.");
@@ -131,6 +134,7 @@ int main(int argc, char** argv) {
   client_options.ps_addresses = cluster->ps;
   client_options.worker_id = replica;
   client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
+  client_options.streams_per_shard = absl::GetFlag(FLAGS_ps_streams);
   client_options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());

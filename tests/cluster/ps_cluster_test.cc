@@ -86,12 +86,14 @@ class PsClusterTest : public ::testing::Test {
   }
 
   std::unique_ptr<PsClient> Client(const std::vector<VariableSpec>& vars, int64_t chunk = 1 << 20,
-                                   int64_t min_split = 256 * 1024, int worker_id = 0) {
+                                   int64_t min_split = 256 * 1024, int worker_id = 0,
+                                   int streams = 1) {
     GrpcPsClientOptions options;
     options.ps_addresses = addresses_;
     options.max_chunk_bytes = chunk;
     options.min_split_bytes = min_split;
     options.worker_id = worker_id;
+    options.streams_per_shard = streams;
     options.rpc_timeout = absl::Seconds(30);
     auto client = CreateGrpcPsClient(vars, options);
     EXPECT_TRUE(client.ok()) << client.status();
@@ -102,6 +104,9 @@ class PsClusterTest : public ::testing::Test {
     return ParameterServer::NewStub(
         grpc::CreateChannel(addresses_[shard], grpc::InsecureChannelCredentials()));
   }
+
+  // PushPull's answers are the values right after its own update.
+  void CheckPushPullValues(int streams);
 
   std::vector<std::unique_ptr<PsServer>> servers_;
   std::vector<std::string> addresses_;
@@ -146,6 +151,18 @@ TEST_F(PsClusterTest, SeedModelRoundTripIsBitIdentical) {
   for (size_t v = 0; v < vars.size(); ++v) {
     EXPECT_EQ(0, std::memcmp(init.data[v].data(), out2.data[v].data(), init.data[v].size() * 4));
   }
+
+  // A client that reads each shard over several connections (each asking
+  // for a share of the ranges) reads the same bits.
+  for (int streams : {2, 5}) {
+    auto split = Client(vars, /*chunk=*/256 * 1024, 256 * 1024, 0, streams);
+    Tensors out3 = Make(vars, -1);
+    ASSERT_TRUE(split->Pull(out3.ptrs()).ok()) << streams;
+    for (size_t v = 0; v < vars.size(); ++v) {
+      EXPECT_EQ(0, std::memcmp(init.data[v].data(), out3.data[v].data(), init.data[v].size() * 4))
+          << vars[v].name << " over " << streams << " streams";
+    }
+  }
 }
 
 TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
@@ -186,12 +203,13 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
     return static_cast<float>((t * 31 + k * 7 + i) % 9) - 4.0f;
   };
   // Odd threads push through PushPull (and get values back), even ones
-  // through Push: both must be applied exactly once, side by side.
+  // through Push: both must be applied exactly once, side by side. Threads
+  // split their pushes over 1, 2 or 3 connections per shard.
   std::vector<std::thread> threads;
   std::vector<absl::Status> results(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      auto client = Client(vars, 8 * 1024, 12 * 1024, t);
+      auto client = Client(vars, 8 * 1024, 12 * 1024, t, /*streams=*/1 + t % 3);
       Tensors g = Make(vars, 0), values = Make(vars, 0);
       for (int k = 0; k < kPushes && results[t].ok(); ++k) {
         for (auto& d : g.data) {
@@ -233,9 +251,11 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
 TEST_F(PsClusterTest, SeedModelGradientsAreAppliedExactly) {
   StartCluster(3, SgdLr1());
   const std::vector<VariableSpec> vars = SeedModel();
-  for (int64_t chunk : {int64_t{1} << 20, int64_t{3} << 20}) {
-    SCOPED_TRACE(chunk);
-    auto client = Client(vars, chunk);
+  // (client chunk bytes, connections per shard)
+  for (auto [chunk, streams] : {std::pair<int64_t, int>{1 << 20, 1}, {3 << 20, 1}, {1 << 20, 4},
+                                {256 << 10, 3}}) {
+    SCOPED_TRACE(absl::StrCat("chunk ", chunk, ", streams ", streams));
+    auto client = Client(vars, chunk, 256 * 1024, 0, streams);
     ASSERT_NE(client, nullptr);
     Tensors zero = Make(vars, 0.0f);
     ASSERT_TRUE(client->Register(zero.cptrs()).ok());
@@ -271,9 +291,63 @@ TEST_F(PsClusterTest, SeedModelGradientsAreAppliedExactly) {
 // update: with SGD lr = 1 and a single client they are exactly the values a
 // Pull reads afterwards, the initial values minus every gradient so far.
 TEST_F(PsClusterTest, PushPullReturnsTheValuesRightAfterItsUpdate) {
+  for (int streams : {1, 3}) {
+    SCOPED_TRACE(absl::StrCat("streams ", streams));
+    servers_.clear();
+    addresses_.clear();
+    CheckPushPullValues(streams);
+  }
+}
+
+// Adam's update depends on the part's step count: a push split over several
+// connections must count one step, so the values come out bit-identical to
+// those of the same pushes sent as one stream.
+TEST_F(PsClusterTest, PushOverSeveralStreamsEqualsOneStreamUnderAdam) {
+  const std::vector<VariableSpec> vars = SeedModel();
+  std::vector<Tensors> results;
+  for (int streams : {1, 4}) {
+    servers_.clear();
+    addresses_.clear();
+    StartCluster(2);  // Adam
+    auto client = Client(vars, 1 << 20, 256 * 1024, 0, streams);
+    ASSERT_NE(client, nullptr);
+    Tensors init = Make(vars, 0.5f);
+    ASSERT_TRUE(client->Register(init.cptrs()).ok());
+    for (int step = 1; step <= 3; ++step) {
+      Tensors g = Make(vars, 0.0f);
+      for (size_t v = 0; v < vars.size(); ++v) {
+        for (size_t i = 0; i < g.data[v].size(); ++i) {
+          g.data[v][i] = static_cast<float>((i * 13 + v * 5 + step * 3) % 23) * 0.01f - 0.1f;
+        }
+      }
+      ASSERT_TRUE(client->Push(g.cptrs(), {step, 0}).ok());
+    }
+    Tensors out = Make(vars, -99.0f);
+    auto pulled = client->Pull(out.ptrs());
+    ASSERT_TRUE(pulled.ok()) << pulled.status();
+    EXPECT_EQ(pulled->min_version, 3);
+    EXPECT_EQ(pulled->max_version, 3);
+    results.push_back(std::move(out));
+  }
+  for (size_t v = 0; v < vars.size(); ++v) {
+    EXPECT_EQ(results[0].data[v], results[1].data[v]) << vars[v].name;
+    EXPECT_NE(results[0].data[v][0], 0.5f) << vars[v].name << " did not move";
+  }
+}
+
+TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
+  GrpcPsClientOptions options;
+  options.ps_addresses = {"127.0.0.1:1"};
+  options.streams_per_shard = 0;
+  auto client = CreateGrpcPsClient({{"w", {3}}}, options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(client.status().message(), HasSubstr("streams_per_shard is 0"));
+}
+
+void PsClusterTest::CheckPushPullValues(int streams) {
   StartCluster(3, SgdLr1());
   const std::vector<VariableSpec> vars = SeedModel();
-  auto client = Client(vars);
+  auto client = Client(vars, 1 << 20, 256 * 1024, 0, streams);
   ASSERT_NE(client, nullptr);
   ASSERT_EQ(client->plan().PartsOfVariable(2).size(), 3u);  // dense/kernel on every shard
   Tensors init = Make(vars, 0.0f);
@@ -450,6 +524,32 @@ TEST_F(RawPushTest, RetriedPushPullIsAppliedOnceAndStillAnswers) {
   EXPECT_EQ(Values(), got.data[0]);
 }
 
+TEST_F(RawPushTest, OnePushOverTwoStreamsInAnyOrderIsAppliedOnce) {
+  // A client may split one push over several streams (the same request id,
+  // each stream with its own header): the shard applies each element once
+  // and counts one step, whatever the order of the segments.
+  PushRequest back, front, all;
+  AddSegment(&back, "w", 4, {1, 2, 3, 4});
+  AddSegment(&front, "w", 0, {1, 1});
+  AddSegment(&front, "w", 2, {1, 1});
+  AddSegment(&all, "w", 0, {9, 9, 9, 9, 9, 9, 9, 9});
+  PushResponse r1, r2, r3;
+  grpc::Status s1, s2;
+  std::thread t([&] { s1 = RawPush({back}, 61, &r1); });
+  s2 = RawPush({front}, 61, &r2);
+  t.join();
+  ASSERT_TRUE(s1.ok()) << s1.error_message();
+  ASSERT_TRUE(s2.ok()) << s2.error_message();
+  EXPECT_EQ(r1.elements_applied() + r2.elements_applied(), 8);
+  // A third stream of the same push with everything: nothing new.
+  ASSERT_TRUE(RawPush({all}, 61, &r3).ok());
+  EXPECT_EQ(r3.elements_skipped(), 8);
+  EXPECT_THAT(Values(), ::testing::ElementsAre(-1, -1, -1, -1, -1, -2, -3, -4));
+  auto status = client_->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ((*status)[0].parts(0).version(), 1);
+}
+
 TEST_F(RawPushTest, BrokenStreamKeepsWhatArrivedAndRetryCompletesIt) {
   // Documented behaviour (proto/psflow.proto): segments are applied as they
   // arrive; a retry under the same id applies only the rest.
@@ -517,11 +617,6 @@ TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
     AddSegment(&m, "w", 0, {1, 1, 1, 1});
     AddSegment(&m, "w", 4, {1, std::numeric_limits<float>::quiet_NaN()});
     cases.push_back({"good then NaN in one message", {m}, grpc::INVALID_ARGUMENT, {"non-finite"}});
-  }
-  {
-    PushRequest m;
-    AddSegment(&m, "w", 2, {1, 1});
-    cases.push_back({"out of order", {m}, grpc::INVALID_ARGUMENT, {"in order", "expected offset 0"}});
   }
   cases.push_back({"empty stream", {}, grpc::INVALID_ARGUMENT, {"header"}});
   for (bool fused : {false, true}) {
@@ -674,6 +769,51 @@ TEST_F(PsClusterTest, PullOfUnknownVariableIsNotFound) {
   grpc::Status status = reader->Finish();
   EXPECT_EQ(status.error_code(), grpc::NOT_FOUND);
   EXPECT_THAT(status.error_message(), HasSubstr("'ghost'"));
+}
+
+TEST_F(PsClusterTest, PullOfRangesReadsThemAndRefusesBadOnes) {
+  StartCluster(1, SgdLr1());
+  const std::vector<VariableSpec> vars = {{"w", {10}}};
+  auto client = Client(vars);
+  Tensors init;
+  init.data = {{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}};
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  auto stub = Stub(0);
+  auto pull = [&](std::vector<std::pair<int64_t, int64_t>> ranges, std::vector<float>* got) {
+    grpc::ClientContext context;
+    PullRequest request;
+    for (auto [offset, count] : ranges) {
+      PullRange* r = request.add_ranges();
+      r->set_variable(count < 0 && offset < 0 ? "ghost" : "w");
+      r->set_offset(offset);
+      r->set_count(count);
+    }
+    request.set_max_chunk_bytes(12);  // 3 values per message
+    auto reader = stub->Pull(&context, request);
+    PullResponse msg;
+    while (reader->Read(&msg)) {
+      for (const Segment& seg : msg.segments()) {
+        for (size_t i = 0; i < seg.data().size() / 4; ++i) {
+          float x;
+          std::memcpy(&x, seg.data().data() + 4 * i, 4);
+          got->push_back(x);
+        }
+      }
+    }
+    return reader->Finish();
+  };
+  std::vector<float> got;
+  ASSERT_TRUE(pull({{7, 2}, {1, 4}}, &got).ok());
+  EXPECT_THAT(got, ::testing::ElementsAre(7, 8, 1, 2, 3, 4));  // in the order asked
+  got.clear();
+  grpc::Status past_end = pull({{8, 3}}, &got);
+  EXPECT_EQ(past_end.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(past_end.error_message(), HasSubstr("'w'"));
+  EXPECT_THAT(past_end.error_message(), HasSubstr("[8,11)"));
+  EXPECT_THAT(past_end.error_message(), HasSubstr("10 elements"));
+  EXPECT_TRUE(got.empty());
+  EXPECT_EQ(pull({{-1, 2}}, &got).error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_EQ(pull({{-1, -1}}, &got).error_code(), grpc::NOT_FOUND);  // "ghost"
 }
 
 // The client retries UNAVAILABLE with backoff: a server that comes up late
