@@ -4,7 +4,7 @@
 # backend), step_bench on cuda and cpu, the main job with --device=cuda (2 PS +
 # 2 workers, 3 epochs), the full step on cuda with one PS, and, since such a
 # machine has cores to spare, the CPU full-step and push/pull benchmarks with
-# the PS on cores of its own. 2.5-4 minutes on the H200 machine. Exits non-zero when a phase
+# the PS on cores of its own. 3.5-5 minutes on the H200 machine. Exits non-zero when a phase
 # fails (the other phases still run).
 #
 # Two ways to get the binaries:
@@ -156,6 +156,9 @@ cluster full_step_cuda 90 run_cluster.sh NUM_PS=1 NUM_WORKERS=1 -- --device=cuda
   --epochs=1 --train_steps=400 --batch_size=64
 cluster full_step_cuda_fused 90 run_cluster.sh NUM_PS=1 NUM_WORKERS=1 -- --device=cuda \
   --epochs=1 --train_steps=400 --batch_size=64 --fused_push_pull=true
+# ... with each push and pull split over 4 connections to the PS.
+cluster full_step_cuda_streams4 90 run_cluster.sh NUM_PS=1 NUM_WORKERS=1 -- --device=cuda \
+  --epochs=1 --train_steps=400 --batch_size=64 --ps_streams=4
 
 # CPU: the full step against compute alone with the PS on cores of its own,
 # and push/pull against raw TCP with the client and the servers not sharing
@@ -166,7 +169,14 @@ for t in 1 8; do
   grep -E "^(full step|  per step|train)" "$LOG_DIR/worker_throughput_t$t.log" \
     | sed 's/^/    /' | tee -a "$SUMMARY"
 done
-phase push_pull_bench 150 "$BUILD_DIR/bench/push_pull_bench" --iterations=30
+phase worker_throughput_t8_streams4 150 env THREADS=8 STEPS=300 DATA_DIR="$DATA_DIR" \
+  WORKER_FLAGS=--ps_streams=4 bash bench/worker_throughput.sh "$BUILD_DIR"
+grep -E "^(full step|  per step|train)" "$LOG_DIR/worker_throughput_t8_streams4.log" \
+  | sed 's/^/    /' | tee -a "$SUMMARY"
+# Push and pull against raw TCP, each shard's calls over 1, 2 and 4
+# connections (1x4: one shard, 4 connections).
+phase push_pull_bench 200 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --transports=tcp \
+  --streams=1,2,4
 grep -vE "^\s*$|^JSON" "$LOG_DIR/push_pull_bench.log" | sed 's/^/    /' >>"$SUMMARY"
 
 note "=== done: $failures failed phase(s); logs in $LOG_DIR"

@@ -8,12 +8,14 @@
 # Both with THREADS compute threads (default 1); the PS runs beside them on
 # the same machine, or, with PS_NETNS and PS_HOST (see
 # deploy/local/run_cluster.sh), across an emulated network link.
+# WORKER_FLAGS adds flags to every worker (e.g. --ps_streams=4).
 # Usage: bench/worker_throughput.sh [BUILD_DIR]   (DATA_DIR: the worker's --data_dir)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 BUILD_DIR=${1:-$here/build}
 THREADS=${THREADS:-1}
 STEPS=${STEPS:-400}
+read -r -a worker_flags <<<"${WORKER_FLAGS:-}"
 echo "== machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
 echo "== compute only: step_bench --threads=$THREADS"
 "$BUILD_DIR/bench/step_bench" --device=cpu --model=seed --batch_size=64 --threads="$THREADS" \
@@ -21,11 +23,12 @@ echo "== compute only: step_bench --threads=$THREADS"
 compute=$(sed -n 's/.*"train_images_per_s":\([0-9.]*\).*/\1/p' /tmp/psflow_step_bench.txt)
 for mode in "true false" "true true" "false false"; do
   read -r overlap fused <<<"$mode"
-  echo "== full step: 1 ps_server + 1 worker, --threads=$THREADS --overlap=$overlap --fused_push_pull=$fused, $STEPS steps"
+  echo "== full step: 1 ps_server + 1 worker, --threads=$THREADS --overlap=$overlap --fused_push_pull=$fused ${WORKER_FLAGS:-}, $STEPS steps"
   LOG_DIR=/tmp/psflow_throughput NUM_PS=1 NUM_WORKERS=1 BUILD_DIR="$BUILD_DIR" \
     bash "$here/deploy/local/run_cluster.sh" --model=seed --batch_size=64 --epochs=1 \
     --train_steps="$STEPS" --threads="$THREADS" --device=cpu --overlap=$overlap \
-    --fused_push_pull=$fused ${DATA_DIR:+--data_dir="$DATA_DIR"} >/tmp/psflow_tp.log 2>&1 \
+    --fused_push_pull=$fused ${DATA_DIR:+--data_dir="$DATA_DIR"} ${worker_flags[@]+"${worker_flags[@]}"} \
+    >/tmp/psflow_tp.log 2>&1 \
     || { cat /tmp/psflow_tp.log; exit 1; }
   python3 - "$compute" "overlap=$overlap fused=$fused" /tmp/psflow_throughput/worker-0.json <<'PY'
 import json, sys
