@@ -156,7 +156,7 @@ absl::Status VariableStore::CheckSegment(const Part& part, int64_t offset, const
         "segment of '", part.def.variable, "' carries ", count * 4,
         " bytes; this server accepts at most ", options_.max_chunk_bytes, " per segment"));
   }
-  if (offset < 0 || count < 0 || offset + count > part.num_elements) {
+  if (offset < 0 || count < 0 || count > part.num_elements - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
         "segment of '", part.def.variable, "' covers elements [", offset, ",", offset + count,
         ") but its part on ps shard ", options_.shard_index, " has ", part.num_elements,
@@ -405,7 +405,7 @@ void VariableStore::PushSession::Finish(const absl::Status& status) {
 absl::StatusOr<int64_t> VariableStore::Read(absl::string_view variable, int64_t offset,
                                             int64_t count, void* out) const {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
-  if (offset < 0 || count < 0 || offset + count > part->num_elements) {
+  if (offset < 0 || count < 0 || count > part->num_elements - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
         "read of '", variable, "' elements [", offset, ",", offset + count, ") but its part on ",
         "ps shard ", options_.shard_index, " has ", part->num_elements, " elements"));

@@ -596,6 +596,11 @@ TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
   }
   {
     PushRequest m;
+    AddSegment(&m, "w", std::numeric_limits<int64_t>::max() - 1, {1, 1});
+    cases.push_back({"offset near the int64 limit", {m}, grpc::INVALID_ARGUMENT, {"'w'"}});
+  }
+  {
+    PushRequest m;
     Segment* s = m.add_segments();
     s->set_variable("w");
     s->set_data("abcdef");  // 6 bytes
