@@ -599,7 +599,7 @@ class PsServer::Service final : public grpc::Service {
             range.count() > part.num_elements - range.offset()) {
           return absl::InvalidArgumentError(absl::StrCat(
               "Pull: range of '", range.variable(), "' covers elements [", range.offset(), ",",
-              range.offset() + range.count(), ") but its part on ps shard ",
+              RangeEnd(range.offset(), range.count()), ") but its part on ps shard ",
               store_->options().shard_index, " has ", part.num_elements, " elements"));
         }
         spans.push_back({std::move(part), range.offset(), range.offset() + range.count()});

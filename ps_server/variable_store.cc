@@ -158,7 +158,8 @@ absl::Status VariableStore::CheckSegment(const Part& part, int64_t offset, const
   }
   if (offset < 0 || count < 0 || count > part.num_elements - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "segment of '", part.def.variable, "' covers elements [", offset, ",", offset + count,
+        "segment of '", part.def.variable, "' covers elements [", offset, ",",
+        RangeEnd(offset, count),
         ") but its part on ps shard ", options_.shard_index, " has ", part.num_elements,
         " elements (", part.def.DebugString(), ")"));
   }
@@ -348,10 +349,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     todo = Uncovered(progress->done, offset, offset + count);
     if (!todo.empty()) {
       progress->in_flight.insert(progress->in_flight.end(), todo.begin(), todo.end());
-      if (progress->step == 0) {
-        absl::MutexLock lock(&part->mu);
-        progress->step = ++part->version;
-      }
+      if (progress->step == 0) progress->step = ++part->version;
     }
     step = progress->step;
   }
@@ -360,7 +358,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     if (read_back != nullptr) {
       absl::ReaderMutexLock lock(&part->mu);
       std::memcpy(read_back, part->params.data() + offset, count * 4);
-      if (version != nullptr) *version = part->version;
+      if (version != nullptr) *version = part->version.load();
     }
   } else {
     absl::MutexLock lock(&part->mu);
@@ -374,7 +372,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     }
     if (read_back != nullptr) {  // the values are in cache now: the copy is cheap
       std::memcpy(read_back, part->params.data() + offset, count * 4);
-      if (version != nullptr) *version = part->version;
+      if (version != nullptr) *version = part->version.load();
     }
   }
   if (!todo.empty()) {
@@ -407,12 +405,13 @@ absl::StatusOr<int64_t> VariableStore::Read(absl::string_view variable, int64_t 
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
   if (offset < 0 || count < 0 || count > part->num_elements - offset) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "read of '", variable, "' elements [", offset, ",", offset + count, ") but its part on ",
+        "read of '", variable, "' elements [", offset, ",", RangeEnd(offset, count),
+        ") but its part on ",
         "ps shard ", options_.shard_index, " has ", part->num_elements, " elements"));
   }
   absl::ReaderMutexLock lock(&part->mu);
   std::memcpy(out, part->params.data() + offset, count * 4);
-  return part->version;
+  return part->version.load();
 }
 
 std::vector<PartSnapshot> VariableStore::ListParts() const {
@@ -421,7 +420,7 @@ std::vector<PartSnapshot> VariableStore::ListParts() const {
   out.reserve(parts_.size());
   for (const auto& [name, part] : parts_) {
     absl::ReaderMutexLock part_lock(&part->mu);
-    out.push_back({part->def, part->num_elements, part->version});
+    out.push_back({part->def, part->num_elements, part->version.load()});
   }
   std::sort(out.begin(), out.end(),
             [](const PartSnapshot& a, const PartSnapshot& b) { return a.def.variable < b.def.variable; });
@@ -431,7 +430,7 @@ std::vector<PartSnapshot> VariableStore::ListParts() const {
 absl::StatusOr<PartSnapshot> VariableStore::GetPart(absl::string_view variable) const {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
   absl::ReaderMutexLock lock(&part->mu);
-  return PartSnapshot{part->def, part->num_elements, part->version};
+  return PartSnapshot{part->def, part->num_elements, part->version.load()};
 }
 
 uint64_t VariableStore::plan_fingerprint() const {

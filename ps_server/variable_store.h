@@ -39,6 +39,12 @@ struct VariableStoreOptions {
   int request_ledger_size = 8192;
 };
 
+// offset + count for error messages, without overflow on hostile input.
+inline int64_t RangeEnd(int64_t offset, int64_t count) {
+  int64_t end;
+  return __builtin_add_overflow(offset, count, &end) ? (count < 0 ? INT64_MIN : INT64_MAX) : end;
+}
+
 // Where a part sits in its variable: rows [row_begin, row_end) of dimension 0.
 struct PartDefinition {
   std::string variable;
@@ -86,12 +92,13 @@ class VariableStore {
     mutable absl::Mutex mu;
     FloatBuffer params ABSL_GUARDED_BY(mu);
     std::vector<FloatBuffer> slots ABSL_GUARDED_BY(mu);
-    // Pushes applied so far; also the optimizer's step count for this part.
-    int64_t version ABSL_GUARDED_BY(mu) = 0;
+    // Pushes begun on this part; also the optimizer's step count for it. An
+    // atomic, so that a push takes its step without waiting for `mu` (which
+    // another push may hold while its optimizer runs).
+    std::atomic<int64_t> version{0};
   };
 
-  // Half-open element ranges [first, second), sorted, disjoint, adjacent
-  // ones merged.
+  // Half-open element ranges [first, second).
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 
   // What one request id has applied: per part, the step it was given, the
@@ -102,8 +109,8 @@ class VariableStore {
   struct LedgerEntry {
     struct Progress {
       int64_t step = 0;
-      Ranges done;
-      Ranges in_flight;
+      Ranges done;       // sorted, disjoint, adjacent ones merged
+      Ranges in_flight;  // one entry per claim, in no order; disjoint
     };
     absl::Mutex mu;
     // node_hash_map: a waiting session keeps a pointer to its Progress.
