@@ -4,7 +4,7 @@
 # backend), step_bench on cuda and cpu, the main job with --device=cuda (2 PS +
 # 2 workers, 3 epochs), the full step on cuda with one PS, and, since such a
 # machine has cores to spare, the CPU full-step and push/pull benchmarks with
-# the PS on cores of its own. 3.5-5 minutes on the H200 machine. Exits non-zero when a phase
+# the PS on cores of its own. 4-5.5 minutes on the H200 machine. Exits non-zero when a phase
 # fails (the other phases still run).
 #
 # Two ways to get the binaries:
@@ -177,6 +177,16 @@ grep -E "^(full step|  per step|train)" "$LOG_DIR/worker_throughput_t8_streams4.
 # connections (1x4: one shard, 4 connections).
 phase push_pull_bench 200 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --transports=tcp \
   --streams=1,2,4
+# The one-shard push with the shard's settings varied: no applier threads
+# (apply on the reading thread), and bigger gRPC socket reads.
+# (--ps_flags splits at commas: one --grpc_arg value per variant.)
+for variant in --apply_threads=0 --grpc_arg=grpc.experimental.tcp_min_read_chunk_size=262144; do
+  name=push_pull_bench_$(echo "$variant" | tr -c 'a-z0-9\n' '_' | cut -c3-40)
+  phase "$name" 90 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --transports=tcp \
+    --shards=1 --streams=1,4 --ops=push --small_vars=false --ps_flags="$variant"
+  { echo "  ps_server $variant:"; grep -E " push " "$LOG_DIR/$name.log" | sed 's/^/    /'; } \
+    >>"$SUMMARY"
+done
 grep -vE "^\s*$|^JSON" "$LOG_DIR/push_pull_bench.log" | sed 's/^/    /' >>"$SUMMARY"
 
 note "=== done: $failures failed phase(s); logs in $LOG_DIR"

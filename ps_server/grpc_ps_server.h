@@ -7,6 +7,8 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -28,6 +30,10 @@ struct PsServerOptions {
   // 0 applies on the thread that reads (no pipeline); -1 picks one per core
   // (at most 16) on machines with 4 or more cores, else 0.
   int apply_threads = -1;
+  // Extra gRPC channel arguments of the server ("grpc.http2.lookahead_bytes"
+  // and the like), for tuning experiments; a value that parses as an
+  // integer is passed as one, else as a string.
+  std::vector<std::pair<std::string, std::string>> grpc_args;
 };
 
 // Thread-safe.

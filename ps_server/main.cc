@@ -54,6 +54,9 @@ ABSL_FLAG(int, threads, 0, "Most threads serving calls (0 = gRPC's default).");
 ABSL_FLAG(int, apply_threads, -1,
           "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
           "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0).");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC server channel arguments, name=value[,name=value...] (for tuning "
+          "experiments, e.g. grpc.experimental.tcp_min_read_chunk_size=262144).");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
           "Largest tensor data accepted in one stream message, and the largest sent in a Pull.");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,
@@ -93,6 +96,14 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
+  for (const std::string& arg : absl::GetFlag(FLAGS_grpc_arg)) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--grpc_arg: '", arg, "' is not name=value (e.g. grpc.http2.lookahead_bytes=1048576)"));
+    }
+    options.grpc_args.emplace_back(arg.substr(0, eq), arg.substr(eq + 1));
+  }
 
   // Identity: TF_CONFIG and --ps_hosts, then the explicit flags.
   int shard_index = 0, num_shards = 1, port = 2222;

@@ -167,4 +167,16 @@ TEST(MultiProcessTest, MalformedTfConfigIsAClearError) {
   EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("task.index"));
 }
 
+TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
+  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string log = dir + "/ps.log";
+  pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--port=0", "--grpc_arg=grpc.http2.lookahead_bytes"},
+                    "", log);
+  ASSERT_GT(pid, 0);
+  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 1);
+  EXPECT_THAT(ReadFile(log),
+              ::testing::HasSubstr("'grpc.http2.lookahead_bytes' is not name=value"));
+}
+
 }  // namespace

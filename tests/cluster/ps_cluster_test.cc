@@ -335,6 +335,23 @@ TEST_F(PsClusterTest, PushOverSeveralStreamsEqualsOneStreamUnderAdam) {
   }
 }
 
+TEST_F(PsClusterTest, ServerTakesExtraGrpcArguments) {
+  PsServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.grpc_args = {{"grpc.http2.lookahead_bytes", "1048576"},
+                       {"grpc.primary_user_agent", "psflow-test"}};
+  auto server = PsServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  addresses_.push_back((*server)->client_address());
+  servers_.push_back(std::move(*server));
+  const std::vector<VariableSpec> vars = {{"w", {5}}};
+  auto client = Client(vars);
+  Tensors init = Make(vars, 2.0f), out = Make(vars, 0.0f);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  ASSERT_TRUE(client->Pull(out.ptrs()).ok());
+  EXPECT_EQ(out.data[0], init.data[0]);
+}
+
 TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
   GrpcPsClientOptions options;
   options.ps_addresses = {"127.0.0.1:1"};
