@@ -118,6 +118,10 @@ bench() {
 }
 cpu_steps=$((STEPS / 4 > 10 ? STEPS / 4 : 10))
 bench step_bench_cuda_seed_b64 --device=cuda --model=seed --batch_size=64 --steps="$STEPS"
+# ... with parameters and gradients copied through the staging buffers (as
+# before PinHostMemory): the difference is what pinning saves per step.
+bench step_bench_cuda_seed_b64_staged --device=cuda --model=seed --batch_size=64 \
+  --steps="$STEPS" --pin_host_memory=false
 bench step_bench_cuda_seed_b256 --device=cuda --model=seed --batch_size=256 --steps="$STEPS"
 bench step_bench_cuda_two_conv_b256 --device=cuda --model=two_conv --batch_size=256 \
   --steps="$STEPS"

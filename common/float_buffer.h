@@ -1,8 +1,10 @@
 // FloatBuffer: a fixed-size, 64-byte aligned float array for long-lived
 // tensors (parameters, optimizer slots, staging buffers). Large buffers ask
 // the kernel for transparent huge pages, which cuts the first-touch cost of
-// fresh memory (about 12 us per 4 KiB page on these machines). Allocate once,
-// reuse. Movable, not copyable, not thread-safe.
+// fresh memory (about 12 us per 4 KiB page on these machines); buffers of
+// 256 KiB or more own whole pages (nothing else shares a page with them, so
+// they can be page-locked for DMA on their own). Allocate once, reuse.
+// Movable, not copyable, not thread-safe.
 #ifndef PSFLOW_COMMON_FLOAT_BUFFER_H_
 #define PSFLOW_COMMON_FLOAT_BUFFER_H_
 

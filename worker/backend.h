@@ -6,6 +6,7 @@
 #ifndef PSFLOW_WORKER_BACKEND_H_
 #define PSFLOW_WORKER_BACKEND_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -50,6 +51,15 @@ class ComputeBackend {
   // Forward pass only (evaluation); adds to `result`.
   virtual absl::Status Evaluate(absl::Span<const float* const> params, const float* images,
                                 const int32_t* labels, int batch, StepResult* result) = 0;
+
+  // Optional: [data, data + bytes) is host memory the caller will pass as
+  // params or grads, step after step. A GPU backend page-locks ("pins") it so
+  // that steps copy straight between it and the device instead of through
+  // staging buffers. The memory must stay allocated until UnpinHostMemory
+  // (data) is called. An error means it was not pinned (steps still work
+  // with it, through the staging buffers). CPU backends do nothing.
+  virtual absl::Status PinHostMemory(void* data, size_t bytes) { return absl::OkStatus(); }
+  virtual void UnpinHostMemory(void* data) {}
 };
 
 // name: "reference", "cpu", "cuda" or "auto" (cuda when a GPU is visible,

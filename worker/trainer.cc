@@ -1,12 +1,16 @@
 #include "worker/trainer.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <functional>
+#include <string>
+#include <vector>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "common/float_buffer.h"
 #include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "worker/data/batcher.h"
@@ -72,8 +76,10 @@ class CommThread {
   std::thread thread_;
 };
 
+// One tensor per variable. FloatBuffer gives big tensors pages of their own
+// (so a GPU backend can pin each one without touching its neighbours).
 struct Buffers {
-  std::vector<std::vector<float>> data;
+  std::vector<FloatBuffer> data;
   std::vector<float*> ptrs;
   std::vector<const float*> cptrs;
   explicit Buffers(const ModelDef& model) {
@@ -83,6 +89,43 @@ struct Buffers {
       cptrs.push_back(d.data());
     }
   }
+  // Copies the values of `other` (same model).
+  void CopyFrom(const Buffers& other) {
+    for (size_t i = 0; i < data.size(); ++i) {
+      std::copy(other.data[i].data(), other.data[i].data() + other.data[i].size(),
+                data[i].data());
+    }
+  }
+};
+
+// Asks the backend to pin the big tensors of some Buffers (a GPU backend then
+// copies straight from and to them) and unpins them when destroyed: declare
+// it after the Buffers it pins, so that it goes first.
+class PinnedBuffers {
+ public:
+  explicit PinnedBuffers(ComputeBackend* backend) : backend_(backend) {}
+  ~PinnedBuffers() {
+    for (void* p : pinned_) backend_->UnpinHostMemory(p);
+  }
+  void Pin(Buffers& buffers) {
+    for (auto& d : buffers.data) {
+      const size_t bytes = d.size() * sizeof(float);
+      if (bytes < kMinBytes) continue;  // staging small tensors costs little
+      absl::Status s = backend_->PinHostMemory(d.data(), bytes);
+      if (s.ok()) {
+        pinned_.push_back(d.data());
+      } else if (!warned_) {
+        std::fprintf(stderr, "worker: %s\n", std::string(s.message()).c_str());
+        warned_ = true;
+      }
+    }
+  }
+
+ private:
+  static constexpr size_t kMinBytes = 256 * 1024;
+  ComputeBackend* const backend_;
+  std::vector<void*> pinned_;
+  bool warned_ = false;
 };
 
 void AppendNumber(std::string* out, const char* key, double value, bool comma = true) {
@@ -145,11 +188,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     PSFLOW_ASSIGN_OR_RETURN(read, client->Pull(params[0].ptrs));
     summary.pull_s += Seconds(t);
   }
-  params[1].data = params[0].data;  // same values, own storage
-  for (size_t i = 0; i < params[1].data.size(); ++i) {
-    params[1].ptrs[i] = params[1].data[i].data();
-    params[1].cptrs[i] = params[1].data[i].data();
-  }
+  params[1].CopyFrom(params[0]);  // same values, own storage
 
   BatcherOptions batcher_options;
   batcher_options.batch_size = options.batch_size;
@@ -158,6 +197,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   batcher_options.seed = options.seed;
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
                           Batcher::Create(&train, batcher_options));
+
+  PinnedBuffers pinned(backend);
+  for (Buffers* b : {&params[0], &params[1], &grads[0], &grads[1]}) pinned.Pin(*b);
 
   CommThread comm;
   // Written by the comm thread between Start and Wait.
@@ -244,9 +286,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
       extra = absl::StrFormat(" - test_loss: %.4f - test_accuracy: %.4f", e.test_loss,
                               e.test_accuracy);
       // The other buffer must hold values of the same age for the next step.
-      for (size_t i = 0; i < params[1].data.size(); ++i) {
-        std::copy(params[0].data[i].begin(), params[0].data[i].end(), params[1].data[i].begin());
-      }
+      params[1].CopyFrom(params[0]);
     }
     e.seconds = Seconds(epoch_start);
     e.resident_bytes = ResidentBytes();

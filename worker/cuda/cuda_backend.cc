@@ -5,12 +5,15 @@
 // Memory: Prepare measures every buffer (parameters, gradients, activations,
 // cuDNN and cuBLAS workspaces) with the same code that later carves them out
 // of ONE device allocation, checks the total against gpu_memory_limit_mb,
-// and allocates once; steps never allocate. Pinned host staging buffers
-// carry parameters in and gradients out, one copy per direction per step.
+// and allocates once; steps never allocate. Parameters go in and gradients
+// come out straight from and to the caller's memory where the caller pinned
+// it (PinHostMemory: the trainer pins its big tensors), else through pinned
+// staging buffers (one extra host copy per direction per step).
 //
 // Precision: plain FP32 everywhere (cuBLAS default math, cuDNN FMA math);
 // no TF32, so results agree with the CPU backends to FP32 rounding.
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -78,6 +81,8 @@ class CudaBackend final : public ComputeBackend {
                         const int32_t* labels, int batch, StepResult* result) override {
     return RunStep(params, images, labels, batch, {}, /*train=*/false, result);
   }
+  absl::Status PinHostMemory(void* data, size_t bytes) override;
+  void UnpinHostMemory(void* data) override;
 
  private:
   // Lays every device buffer out in `arena` and the pinned staging buffers
@@ -92,8 +97,12 @@ class CudaBackend final : public ComputeBackend {
   absl::Status LayerForward(size_t i, const BatchLayerPlan& b, int batch);
   absl::Status LayerBackward(size_t i, const BatchLayerPlan& b, int batch);
   void Release();
+  // Whether [p, p + bytes) lies inside memory pinned by PinHostMemory.
+  bool Pinned(const void* p, size_t bytes) const;
 
   const BackendOptions options_;
+  // Caller memory page-locked by PinHostMemory: (start, bytes).
+  std::vector<std::pair<char*, size_t>> pinned_;
   cudaStream_t stream_ = nullptr;
   cudnnHandle_t cudnn_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
@@ -137,6 +146,7 @@ CudaBackend::~CudaBackend() {
   // Errors are ignored here: there is no one left to report them to.
   cudaSetDevice(options_.device_index);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (const auto& [start, bytes] : pinned_) cudaHostUnregister(start);
   Release();
   relu_.reset();
   if (cublas_ != nullptr) cublasDestroy(cublas_);
@@ -153,6 +163,43 @@ void CudaBackend::Release() {
   buf_.clear();
   max_batch_ = 0;
   prepared_ = false;
+}
+
+absl::Status CudaBackend::PinHostMemory(void* data, size_t bytes) {
+  if (data == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError("cuda: PinHostMemory needs a non-empty range");
+  }
+  PSFLOW_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device_index));
+  const cudaError_t rc = cudaHostRegister(data, bytes, cudaHostRegisterDefault);
+  if (rc != cudaSuccess) {
+    cudaGetLastError();  // clear it: the backend goes on with staging buffers
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda: could not pin ", bytes, " bytes of host memory (", CallErrorText(rc),
+        "); steps copy through the staging buffers instead"));
+  }
+  pinned_.emplace_back(static_cast<char*>(data), bytes);
+  return absl::OkStatus();
+}
+
+void CudaBackend::UnpinHostMemory(void* data) {
+  for (size_t i = 0; i < pinned_.size(); ++i) {
+    if (pinned_[i].first != data) continue;
+    cudaSetDevice(options_.device_index);
+    // A step in flight may still be copying from or to it.
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    cudaHostUnregister(data);
+    pinned_.erase(pinned_.begin() + static_cast<std::ptrdiff_t>(i));
+    return;
+  }
+}
+
+bool CudaBackend::Pinned(const void* p, size_t bytes) const {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [start, size] : pinned_) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(start);
+    if (at >= begin && bytes <= size && at - begin <= size - bytes) return true;
+  }
+  return false;
 }
 
 absl::Status CudaBackend::Init() {
@@ -369,16 +416,28 @@ absl::Status CudaBackend::RunStep(absl::Span<const float* const> params, const f
   PSFLOW_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device_index));
   PSFLOW_ASSIGN_OR_RETURN(const BatchPlan* plan, PlanFor(batch));
 
+  // Parameters: pinned caller memory goes straight to the device (the copies
+  // start at once and run while the others are staged); the rest is copied
+  // into the staging buffer first.
   for (size_t v = 0; v < nvars; ++v) {
-    std::memcpy(h_params_ + var_offset_[v], params[v],
-                model_.variables[v].num_elements() * sizeof(float));
+    const size_t bytes = model_.variables[v].num_elements() * sizeof(float);
+    if (Pinned(params[v], bytes)) {
+      PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_params_ + var_offset_[v], params[v], bytes,
+                                                  cudaMemcpyHostToDevice, stream_));
+    }
+  }
+  for (size_t v = 0; v < nvars; ++v) {
+    const size_t bytes = model_.variables[v].num_elements() * sizeof(float);
+    if (!Pinned(params[v], bytes)) {
+      std::memcpy(h_params_ + var_offset_[v], params[v], bytes);
+      PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_params_ + var_offset_[v],
+                                                  h_params_ + var_offset_[v], bytes,
+                                                  cudaMemcpyHostToDevice, stream_));
+    }
   }
   const int64_t image_floats = int64_t{batch} * model_.input.size();
   std::memcpy(h_images_, images, image_floats * sizeof(float));
   std::memcpy(h_labels_, labels, batch * sizeof(int32_t));
-  PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_params_, h_params_,
-                                              param_block_floats_ * sizeof(float),
-                                              cudaMemcpyHostToDevice, stream_));
   PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_images_, h_images_, image_floats * sizeof(float),
                                               cudaMemcpyHostToDevice, stream_));
   PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(d_labels_, h_labels_, batch * sizeof(int32_t),
@@ -391,9 +450,12 @@ absl::Status CudaBackend::RunStep(absl::Span<const float* const> params, const f
                                                         train ? last.dy : nullptr, stream_));
   if (train) {
     PSFLOW_RETURN_IF_ERROR(Backward(*plan, batch));
-    PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_grads_, d_grads_,
-                                                param_block_floats_ * sizeof(float),
-                                                cudaMemcpyDeviceToHost, stream_));
+    for (size_t v = 0; v < nvars; ++v) {
+      const size_t bytes = model_.variables[v].num_elements() * sizeof(float);
+      float* to = Pinned(grads[v], bytes) ? grads[v] : h_grads_ + var_offset_[v];
+      PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(to, d_grads_ + var_offset_[v], bytes,
+                                                  cudaMemcpyDeviceToHost, stream_));
+    }
   }
   PSFLOW_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_loss_, d_loss_, batch * sizeof(double),
                                               cudaMemcpyDeviceToHost, stream_));
@@ -404,8 +466,8 @@ absl::Status CudaBackend::RunStep(absl::Span<const float* const> params, const f
 
   if (train) {
     for (size_t v = 0; v < nvars; ++v) {
-      std::memcpy(grads[v], h_grads_ + var_offset_[v],
-                  model_.variables[v].num_elements() * sizeof(float));
+      const size_t bytes = model_.variables[v].num_elements() * sizeof(float);
+      if (!Pinned(grads[v], bytes)) std::memcpy(grads[v], h_grads_ + var_offset_[v], bytes);
     }
   }
   double loss_sum = 0;

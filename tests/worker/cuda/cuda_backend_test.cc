@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/float_buffer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/backend.h"
@@ -205,6 +206,70 @@ TEST(CudaBackendTest, SmallerBatchAndRepeatedStepsMatchReference) {
   for (size_t v = 0; v < model->variables.size(); ++v) {
     EXPECT_TRUE(Close(model->variables[v].name + " (step 1)", first->grads[v], want->grads[v]));
     EXPECT_TRUE(Close(model->variables[v].name + " (step 2)", second->grads[v], want->grads[v]));
+  }
+}
+
+// Pinned caller memory (PinHostMemory, as the trainer does for its big
+// tensors) changes only how bytes reach the device: the step's results match
+// those through the staging buffers, before and after (to rounding: cuDNN
+// may pick a non-deterministic algorithm; a wrong copy would leave NaN or
+// another variable's values).
+TEST(CudaBackendTest, PinnedHostMemoryGivesTheSameStep) {
+  SKIP_WITHOUT_GPU();
+  auto model = ParseModel("seed", {28, 28, 1});  // dense/kernel is 11 MB
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto cuda = CreateCudaBackend(BackendOptions{});
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  ASSERT_TRUE((*cuda)->Prepare(*model, 16).ok());
+  StepData data = MakeStepData(*model, 16, /*seed=*/5);
+  auto staged = Train(**cuda, *model, data, 16);
+  ASSERT_TRUE(staged.ok()) << staged.status();
+
+  // The same parameters in FloatBuffers (big ones own their pages, as in
+  // the trainer); its big tensors and gradients pinned in place.
+  std::vector<FloatBuffer> params, grads;
+  std::vector<const float*> param_ptrs;
+  std::vector<float*> grad_ptrs;
+  for (size_t v = 0; v < model->variables.size(); ++v) {
+    params.emplace_back(static_cast<int64_t>(data.params[v].size()));
+    std::copy(data.params[v].begin(), data.params[v].end(), params.back().data());
+    grads.emplace_back(static_cast<int64_t>(data.params[v].size()), std::nanf(""));
+  }
+  std::vector<void*> pinned;
+  for (size_t v = 0; v < params.size(); ++v) {
+    param_ptrs.push_back(params[v].data());
+    grad_ptrs.push_back(grads[v].data());
+    const size_t bytes = params[v].size() * sizeof(float);
+    if (bytes < 256 * 1024) continue;
+    for (float* p : {params[v].data(), grads[v].data()}) {
+      ASSERT_TRUE((*cuda)->PinHostMemory(p, bytes).ok());
+      pinned.push_back(p);
+    }
+  }
+  ASSERT_EQ(pinned.size(), 2u) << "the seed model has one big variable";
+  // Pinning the same memory again is refused, and changes nothing.
+  absl::Status again = (*cuda)->PinHostMemory(pinned[0], 4096);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  EXPECT_THAT(again.message(), HasSubstr("staging buffers"));
+  StepOutput pinned_out;
+  ASSERT_TRUE((*cuda)
+                  ->TrainStep(param_ptrs, data.images.data(), data.labels.data(), 16, grad_ptrs,
+                              &pinned_out.result)
+                  .ok());
+  for (const FloatBuffer& g : grads) pinned_out.grads.emplace_back(g.data(), g.data() + g.size());
+  EXPECT_NEAR(pinned_out.result.loss_sum, staged->result.loss_sum,
+              1e-6 * std::fabs(staged->result.loss_sum));
+  EXPECT_EQ(pinned_out.result.correct, staged->result.correct);
+  for (size_t v = 0; v < model->variables.size(); ++v) {
+    EXPECT_TRUE(Close(model->variables[v].name + " (pinned)", pinned_out.grads[v],
+                      staged->grads[v]));
+  }
+  for (void* p : pinned) (*cuda)->UnpinHostMemory(p);
+  auto after = Train(**cuda, *model, data, 16);
+  ASSERT_TRUE(after.ok()) << after.status();
+  for (size_t v = 0; v < model->variables.size(); ++v) {
+    EXPECT_TRUE(Close(model->variables[v].name + " (unpinned again)", after->grads[v],
+                      staged->grads[v]));
   }
 }
 
