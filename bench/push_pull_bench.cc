@@ -41,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/process_stats.h"
+#include "common/flags_usage.h"
 #include "worker/grpc_ps_client.h"
 
 ABSL_FLAG(std::string, ps_server, "", "Path of the ps_server binary (default: next to this one).");
@@ -57,6 +58,8 @@ ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"})
 ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1"}),
           "Connections per shard a push is split over (the client's streams_per_shard), each "
           "value measured in turn, e.g. 1,2,4.");
+ABSL_FLAG(std::vector<std::string>, client_grpc_arg, {},
+          "Extra gRPC channel arguments of the client, name=value[,name=value...].");
 ABSL_FLAG(std::vector<std::string>, ps_flags, {},
           "Extra ps_server flags, comma-separated (e.g. --apply_threads=2).");
 ABSL_FLAG(std::string, ops, "push,pull,pushpull",
@@ -341,6 +344,10 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   options.ps_addresses = cluster.addresses;
   options.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.streams_per_shard = streams;
+  auto grpc_args =
+      psflow::ParseNameValues("client_grpc_arg", absl::GetFlag(FLAGS_client_grpc_arg));
+  if (!grpc_args.ok()) Die(std::string(grpc_args.status().message()));
+  options.grpc_args = std::move(*grpc_args);
   auto client = psflow::worker::CreateGrpcPsClient(vars, options);
   if (!client.ok()) Die(std::string(client.status().message()));
   std::vector<std::vector<float>> values, grads;

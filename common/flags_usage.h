@@ -1,13 +1,26 @@
 // Makes --help list the flags defined in a binary's main file (Abseil's
-// default only matches files named after the program).
+// default only matches files named after the program), and parses flag
+// values shared by several binaries.
 #ifndef PSFLOW_COMMON_FLAGS_USAGE_H_
 #define PSFLOW_COMMON_FLAGS_USAGE_H_
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
 
 namespace psflow {
 
 // `usage` is printed above the flags; `main_file` is a path suffix such as
 // "ps_server/main.cc". Call before absl::ParseCommandLine.
 void SetUsage(const char* usage, const char* main_file);
+
+// Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';
+// INVALID_ARGUMENT naming the flag and the item when one has no '=' or no
+// name.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseNameValues(
+    const char* flag, const std::vector<std::string>& items);
 
 }  // namespace psflow
 

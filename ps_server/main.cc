@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -96,14 +97,9 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
-  for (const std::string& arg : absl::GetFlag(FLAGS_grpc_arg)) {
-    const size_t eq = arg.find('=');
-    if (eq == std::string::npos || eq == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--grpc_arg: '", arg, "' is not name=value (e.g. grpc.http2.lookahead_bytes=1048576)"));
-    }
-    options.grpc_args.emplace_back(arg.substr(0, eq), arg.substr(eq + 1));
-  }
+  auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
+  if (!grpc_args.ok()) return grpc_args.status();
+  options.grpc_args = std::move(*grpc_args);
 
   // Identity: TF_CONFIG and --ps_hosts, then the explicit flags.
   int shard_index = 0, num_shards = 1, port = 2222;

@@ -8,6 +8,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_status.h"
@@ -103,6 +104,14 @@ class GrpcPsClient final : public PsClient {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
+        for (const auto& [name, value] : options_.grpc_args) {
+          int as_int = 0;
+          if (absl::SimpleAtoi(value, &as_int)) {
+            args.SetInt(name, as_int);
+          } else {
+            args.SetString(name, value);
+          }
+        }
         if (shard.conns.size() > 1) {
           // A subchannel pool of its own, so that each channel opens its own
           // connection instead of sharing one with the shard's other channels.

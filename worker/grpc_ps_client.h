@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -30,6 +31,10 @@ struct GrpcPsClientOptions {
   // connection (so the shard receives them on separate threads), all with
   // the same request id. 1 sends each push as one stream.
   int streams_per_shard = 1;
+  // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
+  // like), for tuning experiments; a value that parses as an integer is
+  // passed as one, else as a string.
+  std::vector<std::pair<std::string, std::string>> grpc_args;
 };
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,

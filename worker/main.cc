@@ -14,6 +14,8 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -55,6 +57,9 @@ ABSL_FLAG(bool, fused_push_pull, false,
           "directions at once (about half the communication time on a network link; the "
           "values read are a little older). Default: a Push, then a Pull.");
 ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20, "Tensor data per stream message.");
+ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
+          "Extra gRPC channel arguments of the connections to the ps shards, "
+          "name=value[,name=value...] (for tuning experiments).");
 ABSL_FLAG(int, ps_streams, 1,
           "Connections per ps shard that each push (or PushPull) is split over, so that the "
           "shard receives it on several threads; 1 to 64.");
@@ -135,6 +140,9 @@ int main(int argc, char** argv) {
   client_options.worker_id = replica;
   client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   client_options.streams_per_shard = absl::GetFlag(FLAGS_ps_streams);
+  auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
+  if (!grpc_args.ok()) return Fail(grpc_args.status());
+  client_options.grpc_args = std::move(*grpc_args);
   client_options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());
