@@ -1,6 +1,7 @@
 #include "common/float_buffer.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -10,7 +11,6 @@
 namespace psflow {
 namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kPage = 4096;
 constexpr size_t kOwnPages = 256 * 1024;
 }  // namespace
 
@@ -22,7 +22,8 @@ FloatBuffer::FloatBuffer(int64_t size, float fill) : size_(size) {
   const size_t bytes = static_cast<size_t>(size) * sizeof(float);
   // Buffers of 256 KiB or more get whole pages of their own (start and end
   // on a page boundary), so that pinning one for DMA never touches another.
-  const size_t align = bytes >= kHugePage ? kHugePage : bytes >= kOwnPages ? kPage : 64;
+  static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t align = bytes >= kHugePage ? kHugePage : bytes >= kOwnPages ? page : 64;
   const size_t rounded = (bytes + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) throw std::bad_alloc();

@@ -201,7 +201,6 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   PinnedBuffers pinned(backend);
   for (Buffers* b : {&params[0], &params[1], &grads[0], &grads[1]}) pinned.Pin(*b);
 
-  CommThread comm;
   // Written by the comm thread between Start and Wait.
   double push_s = 0, pull_s = 0, push_pull_s = 0;
   int64_t read_version = read.max_version;
@@ -223,6 +222,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     read_version = r.max_version;
     return absl::OkStatus();
   };
+  // Declared after what its jobs use, so that on an early return it is
+  // destroyed (waiting for a job still running) before them.
+  CommThread comm;
 
   int64_t step = 0;
   bool capped = false;

@@ -2,6 +2,8 @@
 // own whole pages (a GPU backend pins them one by one for DMA).
 #include "common/float_buffer.h"
 
+#include <unistd.h>
+
 #include <cstdint>
 #include <utility>
 
@@ -11,6 +13,7 @@ namespace psflow {
 namespace {
 
 uintptr_t Address(const FloatBuffer& b) { return reinterpret_cast<uintptr_t>(b.data()); }
+const uintptr_t kPage = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
 
 TEST(FloatBufferTest, FilledAndSized) {
   FloatBuffer b(1000, 2.5f);
@@ -41,11 +44,11 @@ TEST(FloatBufferTest, BigBuffersOwnWholePages) {
   // 256 KiB and up: page-aligned; two of them never share a page.
   for (int64_t floats : {int64_t{65536}, int64_t{65536 + 3}, int64_t{400000}}) {
     FloatBuffer a(floats), b(floats);
-    EXPECT_EQ(Address(a) % 4096, 0u) << floats;
-    EXPECT_EQ(Address(b) % 4096, 0u) << floats;
-    const uintptr_t a_last_page = (Address(a) + floats * 4 - 1) / 4096;
-    const uintptr_t b_last_page = (Address(b) + floats * 4 - 1) / 4096;
-    EXPECT_TRUE(a_last_page < Address(b) / 4096 || b_last_page < Address(a) / 4096) << floats;
+    EXPECT_EQ(Address(a) % kPage, 0u) << floats;
+    EXPECT_EQ(Address(b) % kPage, 0u) << floats;
+    const uintptr_t a_last_page = (Address(a) + floats * 4 - 1) / kPage;
+    const uintptr_t b_last_page = (Address(b) + floats * 4 - 1) / kPage;
+    EXPECT_TRUE(a_last_page < Address(b) / kPage || b_last_page < Address(a) / kPage) << floats;
   }
   FloatBuffer huge(int64_t{3} << 20);  // 12 MiB: on huge-page boundaries
   EXPECT_EQ(Address(huge) % (2 << 20), 0u);

@@ -188,6 +188,9 @@ void CudaBackend::UnpinHostMemory(void* data) {
     // A step in flight may still be copying from or to it.
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
     cudaHostUnregister(data);
+    // Nobody to report a failure to; do not leave it as the "last error"
+    // that the next kernel launch would return.
+    cudaGetLastError();
     pinned_.erase(pinned_.begin() + static_cast<std::ptrdiff_t>(i));
     return;
   }

@@ -224,6 +224,9 @@ TEST(CudaBackendTest, PinnedHostMemoryGivesTheSameStep) {
   StepData data = MakeStepData(*model, 16, /*seed=*/5);
   auto staged = Train(**cuda, *model, data, 16);
   ASSERT_TRUE(staged.ok()) << staged.status();
+  // A step with other parameters, so that the device no longer holds
+  // data's: a direct copy that is skipped or lands elsewhere shows below.
+  ASSERT_TRUE(Train(**cuda, *model, MakeStepData(*model, 16, /*seed=*/6), 16).ok());
 
   // The same parameters in FloatBuffers (big ones own their pages, as in
   // the trainer); its big tensors and gradients pinned in place.
