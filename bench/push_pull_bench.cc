@@ -26,7 +26,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -132,8 +134,38 @@ void TimeBatch(int count, F fn, const std::vector<pid_t>& servers, OpStats* stat
   stats->server_cpu_s += CpuSeconds(servers) - server0;
 }
 
+// The ps_server processes running now, so that an error exit or a signal
+// does not leave them behind (posix_spawn cannot ask for a parent-death
+// signal). Slots hold 0 when free; a signal handler may read them.
+constexpr int kMaxChildren = 64;
+std::atomic<pid_t> g_children[kMaxChildren];
+
+void AddChild(pid_t pid) {
+  for (auto& slot : g_children) {
+    pid_t free = 0;
+    if (slot.compare_exchange_strong(free, pid)) return;
+  }
+}
+void RemoveChild(pid_t pid) {
+  for (auto& slot : g_children) {
+    pid_t p = pid;
+    if (slot.compare_exchange_strong(p, 0)) return;
+  }
+}
+void KillChildren() {  // async-signal-safe
+  for (auto& slot : g_children) {
+    const pid_t p = slot.load();
+    if (p > 0) ::kill(p, SIGTERM);
+  }
+}
+void OnSignal(int sig) {
+  KillChildren();
+  ::_exit(128 + sig);
+}
+
 void Die(const std::string& what) {
   std::fprintf(stderr, "push_pull_bench: %s\n", what.c_str());
+  KillChildren();
   std::exit(1);
 }
 
@@ -266,7 +298,10 @@ struct Cluster {
   std::vector<std::string> addresses;
   ~Cluster() {
     for (pid_t p : pids) ::kill(p, SIGTERM);
-    for (pid_t p : pids) ::waitpid(p, nullptr, 0);
+    for (pid_t p : pids) {
+      ::waitpid(p, nullptr, 0);
+      RemoveChild(p);
+    }
   }
 };
 
@@ -304,6 +339,7 @@ void StartCluster(const std::string& binary, int shards, bool unix_socket, Clust
       Die("cannot start " + binary);
     }
     posix_spawn_file_actions_destroy(&actions);
+    AddChild(pid);
     c->pids.push_back(pid);
     c->addresses.push_back(dial);
   }
@@ -403,6 +439,8 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  std::signal(SIGINT, OnSignal);
+  std::signal(SIGTERM, OnSignal);
   psflow::TuneAllocatorForLargeMessages();
   std::string binary = absl::GetFlag(FLAGS_ps_server);
   if (binary.empty()) {
