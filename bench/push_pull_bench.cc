@@ -14,6 +14,7 @@
 // three see the same conditions, and each is reported with the CPU time it
 // cost the client and the shards.
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -29,6 +30,8 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <fstream>
+#include <map>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -82,15 +85,21 @@ using Clock = std::chrono::steady_clock;
 
 // Wall times of one operation and the CPU time it cost, gathered over
 // several batches.
+// CPU seconds per thread name ("grpcpp_sync_ser", "ps_apply", ...), summed
+// over the threads of one or more processes.
+using ThreadCpu = std::map<std::string, double>;
+
 struct OpStats {
   std::vector<double> times;  // seconds, one per timed iteration
   double self_cpu_s = 0;      // this process (client or raw sender + receiver)
   double server_cpu_s = 0;    // the ps_server processes
+  ThreadCpu self_threads, server_threads;  // the same, by thread name
 };
 
 struct Timing {
   double median_s = 0, mean_s = 0;
   double self_cpu_s = 0, server_cpu_s = 0;  // per iteration
+  ThreadCpu self_threads, server_threads;   // per iteration
 };
 
 Timing Summarize(const OpStats& s) {
@@ -102,7 +111,60 @@ Timing Summarize(const OpStats& s) {
   out.mean_s = std::accumulate(t.begin(), t.end(), 0.0) / t.size();
   out.self_cpu_s = s.self_cpu_s / t.size();
   out.server_cpu_s = s.server_cpu_s / t.size();
+  for (const auto& [name, cpu] : s.self_threads) out.self_threads[name] = cpu / t.size();
+  for (const auto& [name, cpu] : s.server_threads) out.server_threads[name] = cpu / t.size();
   return out;
+}
+
+// On-CPU seconds of every thread of `pids`, by thread name, from
+// /proc/PID/task/TID/schedstat (nanoseconds); empty where the kernel has no
+// schedstat.
+ThreadCpu ThreadCpuByName(const std::vector<pid_t>& pids) {
+  ThreadCpu out;
+  for (pid_t pid : pids) {
+    const std::string dir = absl::StrCat("/proc/", pid, "/task");
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) continue;
+    while (dirent* e = ::readdir(d)) {
+      if (e->d_name[0] == '.') continue;
+      std::ifstream comm(absl::StrCat(dir, "/", e->d_name, "/comm"));
+      std::ifstream stat(absl::StrCat(dir, "/", e->d_name, "/schedstat"));
+      std::string name;
+      double ns = 0;
+      if (std::getline(comm, name) && (stat >> ns)) out[name] += ns * 1e-9;
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+// after - before, added to `into`. What threads that ended in between used
+// (gRPC's thread pools come and go, and so do the client's per-call
+// threads) is `total` less the rest, under "(ended threads)".
+void AddDelta(const ThreadCpu& before, const ThreadCpu& after, double total, ThreadCpu* into) {
+  if (after.empty()) return;  // no schedstat here
+  double live = 0;
+  for (const auto& [name, cpu] : after) {
+    auto it = before.find(name);
+    const double delta = std::max(0.0, cpu - (it == before.end() ? 0.0 : it->second));
+    (*into)[name] += delta;
+    live += delta;
+  }
+  if (total > live) (*into)["(ended threads)"] += total - live;
+}
+
+// "name 1.23, name 0.45" in ms, largest first, those under 0.05 ms left out.
+std::string FormatThreadCpu(const ThreadCpu& cpu) {
+  std::vector<std::pair<double, std::string>> rows;
+  for (const auto& [name, s] : cpu) {
+    if (s * 1e3 >= 0.05) rows.emplace_back(s, name);
+  }
+  std::sort(rows.rbegin(), rows.rend());
+  std::string out;
+  for (const auto& [s, name] : rows) {
+    absl::StrAppend(&out, out.empty() ? "" : ", ", name, " ", absl::StrFormat("%.2f", s * 1e3));
+  }
+  return out.empty() ? "-" : out;
 }
 
 // CPU seconds (user + system, all threads) that process `pid` has used,
@@ -124,14 +186,20 @@ double CpuSeconds(const std::vector<pid_t>& pids) {
 // and in `servers`.
 template <typename F>
 void TimeBatch(int count, F fn, const std::vector<pid_t>& servers, OpStats* stats) {
+  const ThreadCpu self_threads0 = ThreadCpuByName({getpid()});
+  const ThreadCpu server_threads0 = ThreadCpuByName(servers);
   const double self0 = CpuSeconds(getpid()), server0 = CpuSeconds(servers);
   for (int i = 0; i < count; ++i) {
     const auto start = Clock::now();
     fn();
     stats->times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
-  stats->self_cpu_s += CpuSeconds(getpid()) - self0;
-  stats->server_cpu_s += CpuSeconds(servers) - server0;
+  const double self_cpu = CpuSeconds(getpid()) - self0;
+  const double server_cpu = CpuSeconds(servers) - server0;
+  stats->self_cpu_s += self_cpu;
+  stats->server_cpu_s += server_cpu;
+  AddDelta(self_threads0, ThreadCpuByName({getpid()}), self_cpu, &stats->self_threads);
+  AddDelta(server_threads0, ThreadCpuByName(servers), server_cpu, &stats->server_threads);
 }
 
 // The ps_server processes running now, so that an error exit or a signal
@@ -474,6 +542,10 @@ int main(int argc, char** argv) {
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
     if (&t == &raw) return;
+    // Where the CPU time went, by thread name (gRPC names its threads; ours
+    // are ps_apply and ps_respond on the shard).
+    std::printf("       %s CPU ms by thread: client %s; shards %s\n", op,
+                FormatThreadCpu(t.self_threads).c_str(), FormatThreadCpu(t.server_threads).c_str());
     std::printf("JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\",\"median_ms\":%.3f,"
                 "\"mean_ms\":%.3f,\"gbps\":%.3f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
                 "\"client_cpu_ms\":%.3f,\"server_cpu_ms\":%.3f,\"raw_cpu_ms\":%.3f}\n",
