@@ -181,6 +181,12 @@ grep -E "^(full step|  per step|train)" "$LOG_DIR/worker_throughput_t8_streams4.
 # connections (1x4: one shard, 4 connections).
 phase push_pull_bench 200 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --transports=tcp \
   --streams=1,2,4
+# Two workers pushing and pulling at once to two shards, as in the main job
+# (whose workers waited 17-20 ms per step for an 11 MB push on this machine).
+phase push_pull_bench_2clients 90 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 \
+  --transports=tcp --shards=2 --streams=1,4 --ops=push,pull --small_vars=false --clients=2
+{ echo "  2 clients at once, 2 shards:"; grep -E " (raw|push|pull) |by thread" \
+  "$LOG_DIR/push_pull_bench_2clients.log" | sed 's/^/    /'; } >>"$SUMMARY"
 # The one-shard push with the shard's settings varied: no applier threads
 # (apply on the reading thread), and bigger gRPC socket reads.
 # (--ps_flags splits at commas: one --grpc_arg value per variant.)

@@ -63,6 +63,10 @@ ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"})
 ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1"}),
           "Connections per shard a push is split over (the client's streams_per_shard), each "
           "value measured in turn, e.g. 1,2,4.");
+ABSL_FLAG(int, clients, 1,
+          "Workers pushing and pulling at once, each with its own client (as the workers of "
+          "a job do); an operation is done when all of them are, and moves clients x the "
+          "model.");
 ABSL_FLAG(std::vector<std::string>, client_grpc_arg, {},
           "Extra gRPC channel arguments of the client, name=value[,name=value...].");
 ABSL_FLAG(std::vector<std::string>, ps_flags, {},
@@ -452,32 +456,57 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
       psflow::ParseNameValues("client_grpc_arg", absl::GetFlag(FLAGS_client_grpc_arg));
   if (!grpc_args.ok()) Die(std::string(grpc_args.status().message()));
   options.grpc_args = std::move(*grpc_args);
-  auto client = psflow::worker::CreateGrpcPsClient(vars, options);
-  if (!client.ok()) Die(std::string(client.status().message()));
-  std::vector<std::vector<float>> values, grads;
-  std::vector<float*> vp;
-  std::vector<const float*> gp;
-  for (const auto& v : vars) {
-    values.emplace_back(v.num_elements(), 0.01f);
-    grads.emplace_back(v.num_elements(), 0.001f);
+  // One client (and one set of buffers) per simulated worker.
+  const int num_clients = std::max(1, absl::GetFlag(FLAGS_clients));
+  struct Worker {
+    std::unique_ptr<psflow::worker::PsClient> client;
+    std::vector<std::vector<float>> values, grads;
+    std::vector<float*> vp;
+    std::vector<const float*> gp;
+  };
+  std::vector<Worker> workers(num_clients);
+  for (int w = 0; w < num_clients; ++w) {
+    options.worker_id = w;
+    auto client = psflow::worker::CreateGrpcPsClient(vars, options);
+    if (!client.ok()) Die(std::string(client.status().message()));
+    Worker& k = workers[w];
+    k.client = std::move(*client);
+    for (const auto& v : vars) {
+      k.values.emplace_back(v.num_elements(), 0.01f);
+      k.grads.emplace_back(v.num_elements(), 0.001f);
+    }
+    for (auto& v : k.values) k.vp.push_back(v.data());
+    for (auto& g : k.grads) k.gp.push_back(g.data());
   }
-  for (auto& v : values) vp.push_back(v.data());
-  for (auto& g : grads) gp.push_back(g.data());
-  std::vector<const float*> init(vp.begin(), vp.end());
-  absl::Status st = (*client)->Register(init);
+  auto& client = workers[0].client;
+  std::vector<const float*> init(workers[0].vp.begin(), workers[0].vp.end());
+  absl::Status st = client->Register(init);
   if (!st.ok()) Die(std::string(st.message()));
-  int64_t step = 0;
+  // Runs op(worker) on every worker at once; returns when all are done.
+  auto all = [&](auto op) {
+    std::vector<std::thread> threads;
+    for (int w = 1; w < num_clients; ++w) threads.emplace_back([&, w] { op(workers[w]); });
+    op(workers[0]);
+    for (auto& t : threads) t.join();
+  };
+  std::atomic<int64_t> step{0};
   auto push = [&] {
-    absl::Status s = (*client)->Push(gp, {++step, 0});
-    if (!s.ok()) Die(std::string(s.message()));
+    all([&](Worker& k) {
+      absl::Status s = k.client->Push(k.gp, {++step, 0});
+      if (!s.ok()) Die(std::string(s.message()));
+    });
   };
   auto pull = [&] {
-    auto r = (*client)->Pull(vp);
-    if (!r.ok()) Die(std::string(r.status().message()));
+    all([&](Worker& k) {
+      auto r = k.client->Pull(k.vp);
+      if (!r.ok()) Die(std::string(r.status().message()));
+    });
   };
   auto push_pull = [&] {
-    auto r = (*client)->PushPull(gp, {++step, 0}, vp);
-    if (!r.ok()) Die(std::string(r.status().message()));
+    all([&](Worker& k) {
+      auto r = k.client->PushPull(k.gp, {++step, 0}, k.vp);
+      if (!r.ok()) Die(std::string(r.status().message()));
+    });
   };
   for (int i = 0; i < warmup; ++i) {
     if (raw != nullptr) raw->Transfer();
@@ -498,7 +527,7 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
   run.push_pull = Summarize(push_pull_stats);
-  auto status = (*client)->GetStatus();
+  auto status = client->GetStatus();
   if (status.ok()) run.status = *status;
   return run;
 }
@@ -524,6 +553,10 @@ int main(int argc, char** argv) {
   const auto vars = SeedModel();
   const int64_t elements = TotalElements(vars);
   const double bytes = elements * 4.0;
+  if (absl::GetFlag(FLAGS_clients) > 1) {
+    std::printf("%d clients push and pull at once; GB/s and vs_raw count all of their bytes\n",
+                absl::GetFlag(FLAGS_clients));
+  }
   std::printf("model: seed CNN, %lld parameters (%.1f MB); %d iterations after %d warm-up; "
               "client chunk %lld bytes; optimizer on the PS: %s\n",
               static_cast<long long>(elements), bytes / 1e6, iterations, warmup,
@@ -537,7 +570,9 @@ int main(int argc, char** argv) {
   auto print = [&](const char* xport, const std::string& shards, const char* op,
                    const Timing& t, const Timing& raw) {
     if (t.median_s == 0) return;  // not run (--ops)
-    const double gbs = bytes / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
+    // With --clients=N an operation moves the model N times.
+    const double moved = &t == &raw ? bytes : bytes * std::max(1, absl::GetFlag(FLAGS_clients));
+    const double gbs = moved / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
     std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
