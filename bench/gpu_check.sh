@@ -4,7 +4,7 @@
 # backend), step_bench on cuda and cpu, the main job with --device=cuda (2 PS +
 # 2 workers, 3 epochs), the full step on cuda with one PS, and, since such a
 # machine has cores to spare, the CPU full-step and push/pull benchmarks with
-# the PS on cores of its own. 4-5.5 minutes on the H200 machine. Exits non-zero when a phase
+# the PS on cores of its own. 4-6 minutes on the H200 machine. Exits non-zero when a phase
 # fails (the other phases still run).
 #
 # Two ways to get the binaries:
