@@ -4,7 +4,9 @@
 #include <cmath>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -126,6 +128,107 @@ TEST_P(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
     const auto stats = server->store().stats();
     EXPECT_EQ(stats.pushes, 2 * 4 * 32);
     EXPECT_EQ(stats.rejected_requests, 0);
+  }
+}
+
+// Wraps a backend and records what the trainer pins: every step's big
+// tensors must lie in pinned memory, and everything pinned must be unpinned
+// before Train returns (a GPU backend copies straight from and to it).
+class RecordingBackend : public worker::ComputeBackend {
+ public:
+  RecordingBackend(std::unique_ptr<worker::ComputeBackend> inner, bool refuse_pins)
+      : inner_(std::move(inner)), refuse_pins_(refuse_pins) {}
+  std::string name() const override { return "recording"; }
+  absl::Status Prepare(const worker::ModelDef& model, int max_batch) override {
+    model_ = model;
+    return inner_->Prepare(model, max_batch);
+  }
+  absl::Status TrainStep(absl::Span<const float* const> params, const float* images,
+                         const int32_t* labels, int batch, absl::Span<float* const> grads,
+                         worker::StepResult* result) override {
+    for (size_t v = 0; v < params.size(); ++v) {
+      const size_t bytes = model_.variables[v].num_elements() * sizeof(float);
+      if (bytes < 256 * 1024) continue;
+      ++big_tensors_seen;
+      if (Pinned(params[v], bytes) && Pinned(grads[v], bytes)) ++big_tensors_pinned;
+    }
+    return inner_->TrainStep(params, images, labels, batch, grads, result);
+  }
+  absl::Status Evaluate(absl::Span<const float* const> params, const float* images,
+                        const int32_t* labels, int batch, worker::StepResult* result) override {
+    return inner_->Evaluate(params, images, labels, batch, result);
+  }
+  absl::Status PinHostMemory(void* data, size_t bytes) override {
+    ++pin_calls;
+    if (refuse_pins_) return absl::FailedPreconditionError("refused by the test");
+    pinned_.emplace_back(static_cast<char*>(data), bytes);
+    return absl::OkStatus();
+  }
+  void UnpinHostMemory(void* data) override {
+    ++unpin_calls;
+    for (size_t i = 0; i < pinned_.size(); ++i) {
+      if (pinned_[i].first == data) {
+        pinned_.erase(pinned_.begin() + static_cast<std::ptrdiff_t>(i));
+        return;
+      }
+    }
+    ++unknown_unpins;
+  }
+  size_t still_pinned() const { return pinned_.size(); }
+
+  int pin_calls = 0, unpin_calls = 0, unknown_unpins = 0;
+  int64_t big_tensors_seen = 0, big_tensors_pinned = 0;
+
+ private:
+  bool Pinned(const void* p, size_t bytes) const {
+    const char* c = static_cast<const char*>(p);
+    for (const auto& [start, size] : pinned_) {
+      if (c >= start && c + bytes <= start + size) return true;
+    }
+    return false;
+  }
+  std::unique_ptr<worker::ComputeBackend> inner_;
+  const bool refuse_pins_;
+  worker::ModelDef model_;
+  std::vector<std::pair<char*, size_t>> pinned_;
+};
+
+TEST(TrainerPinningTest, BigTensorsArePinnedForEveryStepAndUnpinnedAtTheEnd) {
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  auto server = server::PsServer::Start(ps);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  // dense/kernel: 64 x 1024 floats = 256 KiB, the smallest size the trainer
+  // pins; the others stay staged.
+  auto model = worker::ParseModel("flatten,dense:1024:relu,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  for (bool refuse : {false, true}) {
+    SCOPED_TRACE(refuse ? "backend refuses to pin" : "backend pins");
+    auto inner = worker::CreateBackend("cpu", {});
+    ASSERT_TRUE(inner.ok()) << inner.status();
+    RecordingBackend backend(std::move(*inner), refuse);
+    ASSERT_TRUE(backend.Prepare(*model, 32).ok());
+    worker::GrpcPsClientOptions client_options;
+    client_options.ps_addresses = {(*server)->client_address()};
+    auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    worker::TrainerOptions options;
+    options.batch_size = 32;
+    options.epochs = 1;
+    options.train_steps = 6;
+    options.seed = 3;
+    options.progress = nullptr;
+    auto summary = worker::Train(*model, &backend, client->get(), train, test, options);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->steps, 6);
+    // Two parameter and two gradient buffers, one big tensor each.
+    EXPECT_EQ(backend.pin_calls, 4);
+    EXPECT_EQ(backend.big_tensors_seen, 6);
+    EXPECT_EQ(backend.big_tensors_pinned, refuse ? 0 : 6);
+    EXPECT_EQ(backend.unpin_calls, refuse ? 0 : 4);
+    EXPECT_EQ(backend.unknown_unpins, 0);
+    EXPECT_EQ(backend.still_pinned(), 0u);
   }
 }
 
