@@ -14,9 +14,9 @@
 #include "absl/synchronization/notification.h"
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/grpc_args.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
 #include "common/process_stats.h"
@@ -732,14 +732,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   builder.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(options.store.max_chunk_bytes + (1 << 20), INT32_MAX)));
   builder.SetMaxSendMessageSize(-1);
-  for (const auto& [name, value] : options.grpc_args) {
-    int as_int = 0;
-    if (absl::SimpleAtoi(value, &as_int)) {
-      builder.AddChannelArgument(name, as_int);
-    } else {
-      builder.AddChannelArgument(name, value);
-    }
-  }
+  if (!options.grpc_args.empty()) builder.SetOption(GrpcArgsOption(options.grpc_args));
   if (options.threads > 0) {
     grpc::ResourceQuota quota("psflow_ps");
     quota.SetMaxThreads(std::max(options.threads, 2));

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_args.h"
 #include "ps_server/variable_store.h"
 
 namespace grpc {
@@ -33,7 +34,7 @@ struct PsServerOptions {
   // Extra gRPC channel arguments of the server ("grpc.http2.lookahead_bytes"
   // and the like), for tuning experiments; a value that parses as an
   // integer is passed as one, else as a string.
-  std::vector<std::pair<std::string, std::string>> grpc_args;
+  GrpcArgs grpc_args;
 };
 
 // Thread-safe.

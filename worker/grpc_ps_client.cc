@@ -8,9 +8,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "common/grpc_args.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
 #include "common/status_macros.h"
@@ -104,14 +104,7 @@ class GrpcPsClient final : public PsClient {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        for (const auto& [name, value] : options_.grpc_args) {
-          int as_int = 0;
-          if (absl::SimpleAtoi(value, &as_int)) {
-            args.SetInt(name, as_int);
-          } else {
-            args.SetString(name, value);
-          }
-        }
+        AddGrpcArgs(options_.grpc_args, &args);
         if (shard.conns.size() > 1) {
           // A subchannel pool of its own, so that each channel opens its own
           // connection instead of sharing one with the shard's other channels.

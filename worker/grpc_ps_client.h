@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_args.h"
 #include "common/retry.h"
 #include "common/variable_spec.h"
 #include "worker/ps_client.h"
@@ -34,7 +35,7 @@ struct GrpcPsClientOptions {
   // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
   // like), for tuning experiments; a value that parses as an integer is
   // passed as one, else as a string.
-  std::vector<std::pair<std::string, std::string>> grpc_args;
+  GrpcArgs grpc_args;
 };
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,

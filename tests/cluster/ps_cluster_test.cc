@@ -350,6 +350,18 @@ TEST_F(PsClusterTest, ServerTakesExtraGrpcArguments) {
   ASSERT_TRUE(client->Register(init.cptrs()).ok());
   ASSERT_TRUE(client->Pull(out.ptrs()).ok());
   EXPECT_EQ(out.data[0], init.data[0]);
+
+  // An argument the server must obey: a metadata limit below any request's.
+  PsServerOptions small;
+  small.address = "127.0.0.1:0";
+  small.grpc_args = {{"grpc.max_metadata_size", "16"}};
+  auto limited = PsServer::Start(small);
+  ASSERT_TRUE(limited.ok()) << limited.status();
+  addresses_ = {(*limited)->client_address()};
+  servers_.push_back(std::move(*limited));
+  auto refused = Client(vars)->Register(init.cptrs());
+  EXPECT_FALSE(refused.ok());
+  EXPECT_THAT(refused.message(), HasSubstr("metadata")) << refused;
 }
 
 TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {

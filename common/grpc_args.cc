@@ -1,0 +1,37 @@
+#include "common/grpc_args.h"
+
+#include "absl/strings/numbers.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace psflow {
+namespace {
+
+class ArgsOption : public grpc::ServerBuilderOption {
+ public:
+  explicit ArgsOption(GrpcArgs args) : args_(std::move(args)) {}
+  void UpdateArguments(grpc::ChannelArguments* args) override { AddGrpcArgs(args_, args); }
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*) override {}
+
+ private:
+  const GrpcArgs args_;
+};
+
+}  // namespace
+
+void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out) {
+  for (const auto& [name, value] : args) {
+    int as_int = 0;
+    if (absl::SimpleAtoi(value, &as_int)) {
+      out->SetInt(name, as_int);
+    } else {
+      out->SetString(name, value);
+    }
+  }
+}
+
+std::unique_ptr<grpc::ServerBuilderOption> GrpcArgsOption(const GrpcArgs& args) {
+  return std::make_unique<ArgsOption>(args);
+}
+
+}  // namespace psflow

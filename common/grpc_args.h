@@ -1,0 +1,29 @@
+// Extra gRPC channel arguments given as name=value pairs (ps_server and
+// worker --grpc_arg, push_pull_bench --client_grpc_arg): a value that parses
+// as an integer is passed as one, else as a string.
+#ifndef PSFLOW_COMMON_GRPC_ARGS_H_
+#define PSFLOW_COMMON_GRPC_ARGS_H_
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace grpc {
+class ChannelArguments;
+class ServerBuilderOption;
+}  // namespace grpc
+
+namespace psflow {
+
+using GrpcArgs = std::vector<std::pair<std::string, std::string>>;
+
+// Adds `args` to a client channel's arguments.
+void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out);
+
+// The same for a server: pass to grpc::ServerBuilder::SetOption.
+std::unique_ptr<grpc::ServerBuilderOption> GrpcArgsOption(const GrpcArgs& args);
+
+}  // namespace psflow
+
+#endif  // PSFLOW_COMMON_GRPC_ARGS_H_
