@@ -113,25 +113,14 @@ absl::Status Run() {
     param_ptrs.push_back(params[v].data());
     grad_ptrs.push_back(grads[v].data());
   }
-  // Unpins (in its destructor, also on an error return) before the buffers
-  // declared above are freed.
-  struct Pins {
-    ComputeBackend* backend;
-    std::vector<void*> pinned;
-    ~Pins() {
-      for (void* p : pinned) backend->UnpinHostMemory(p);
-    }
-  } pins{backend->get(), {}};
+  // Declared after the buffers: unpins them before they are freed.
+  PinnedTensors pins(backend->get());
   if (absl::GetFlag(FLAGS_pin_host_memory)) {
     for (auto* tensors : {&params, &grads}) {
       for (FloatBuffer& t : *tensors) {
-        const size_t bytes = static_cast<size_t>(t.size()) * sizeof(float);
-        if (bytes < 256 * 1024) continue;
-        if (absl::Status s = (*backend)->PinHostMemory(t.data(), bytes); !s.ok()) {
+        if (absl::Status s = pins.Pin(t.data(), t.size()); !s.ok()) {
           absl::FPrintF(stderr, "step_bench: %s\n", s.message());  // staged instead
-          continue;
         }
-        pins.pinned.push_back(t.data());
       }
     }
   }
@@ -158,7 +147,7 @@ absl::Status Run() {
       "step_bench: device=%s model=\"%s\" (%d parameters) input=%dx%dx%d batch=%d "
       "threads=%d steps=%d warmup=%d pinned_tensors=%d\n",
       device, model->spec, num_params, input.h, input.w, input.c, batch, options.threads, steps,
-      warmup, pins.pinned.size());
+      warmup, pins.size());
   absl::PrintF("%-22s %12s %12s %12s\n", "phase", "images/s", "median ms", "p90 ms");
   absl::PrintF("%-22s %12.0f %12.3f %12.3f\n", "train (fwd+bwd)", train->images_per_s,
                train->median_ms, train->p90_ms);

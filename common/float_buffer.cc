@@ -11,7 +11,6 @@
 namespace psflow {
 namespace {
 constexpr size_t kHugePage = size_t{2} << 20;
-constexpr size_t kOwnPages = 256 * 1024;
 }  // namespace
 
 FloatBuffer::FloatBuffer(int64_t size, float fill) : size_(size) {
@@ -23,7 +22,7 @@ FloatBuffer::FloatBuffer(int64_t size, float fill) : size_(size) {
   // Buffers of 256 KiB or more get whole pages of their own (start and end
   // on a page boundary), so that pinning one for DMA never touches another.
   static const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  const size_t align = bytes >= kHugePage ? kHugePage : bytes >= kOwnPages ? page : 64;
+  const size_t align = bytes >= kHugePage ? kHugePage : bytes >= kOwnPagesBytes ? page : 64;
   const size_t rounded = (bytes + align - 1) / align * align;
   void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) throw std::bad_alloc();

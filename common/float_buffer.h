@@ -18,6 +18,9 @@ class FloatBuffer {
   FloatBuffer() = default;
   // `size` floats, every one set to `fill`.
   explicit FloatBuffer(int64_t size, float fill = 0.0f);
+  // Buffers of at least this many bytes own whole pages (see above); the
+  // worker pins those of its tensors for a GPU backend.
+  static constexpr size_t kOwnPagesBytes = 256 * 1024;
   ~FloatBuffer();
   FloatBuffer(FloatBuffer&& other) noexcept;
   FloatBuffer& operator=(FloatBuffer&& other) noexcept;

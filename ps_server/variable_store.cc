@@ -5,6 +5,7 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -48,9 +49,12 @@ bool OverlapsAny(const Ranges& ranges, int64_t begin, int64_t end) {
   return false;
 }
 
+// Usually one range: kept inline, so that a segment's claim allocates nothing.
+using FewRanges = absl::InlinedVector<std::pair<int64_t, int64_t>, 2>;
+
 // The parts of [begin, end) that `done` (sorted, disjoint) does not cover.
-Ranges Uncovered(const Ranges& done, int64_t begin, int64_t end) {
-  Ranges out;
+FewRanges Uncovered(const Ranges& done, int64_t begin, int64_t end) {
+  FewRanges out;
   int64_t at = begin;
   for (const auto& [b, e] : done) {
     if (e <= at) continue;
@@ -334,7 +338,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   // Claim the elements of [offset, offset + count) that this request id has
   // not applied yet, after any other session of the id has finished with
   // overlapping ones; then update them outside the entry's lock.
-  Ranges todo;
+  FewRanges todo;
   int64_t step = 0;
   LedgerEntry::Progress* progress = nullptr;
   {

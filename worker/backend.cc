@@ -1,12 +1,26 @@
 #include "worker/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "common/float_buffer.h"
+#include "common/status_macros.h"
 #include "worker/cpu/cpu_backend.h"
 #ifdef PSFLOW_HAVE_CUDA
 #include "worker/cuda/cuda_backend.h"
 #endif
 
 namespace psflow::worker {
+
+PinnedTensors::~PinnedTensors() {
+  for (void* p : pinned_) backend_->UnpinHostMemory(p);
+}
+
+absl::Status PinnedTensors::Pin(float* data, int64_t floats) {
+  const size_t bytes = static_cast<size_t>(floats) * sizeof(float);
+  if (bytes < FloatBuffer::kOwnPagesBytes) return absl::OkStatus();
+  PSFLOW_RETURN_IF_ERROR(backend_->PinHostMemory(data, bytes));
+  pinned_.push_back(data);
+  return absl::OkStatus();
+}
 
 bool CudaAvailable() {
 #ifdef PSFLOW_HAVE_CUDA

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -60,6 +61,27 @@ class ComputeBackend {
   // with it, through the staging buffers). CPU backends do nothing.
   virtual absl::Status PinHostMemory(void* data, size_t bytes) { return absl::OkStatus(); }
   virtual void UnpinHostMemory(void* data) {}
+};
+
+// Pins caller tensors for a backend (PinHostMemory) and unpins them when
+// destroyed: declare it after the memory it pins, so that it goes first.
+class PinnedTensors {
+ public:
+  explicit PinnedTensors(ComputeBackend* backend) : backend_(backend) {}
+  ~PinnedTensors();
+  PinnedTensors(const PinnedTensors&) = delete;
+  PinnedTensors& operator=(const PinnedTensors&) = delete;
+
+  // Pins `floats` floats at `data` when they fill at least
+  // FloatBuffer::kOwnPagesBytes (held in a FloatBuffer, such a tensor owns
+  // its pages; smaller ones cost little to stage). The backend's error when
+  // it refuses: the tensor then goes through its staging buffers.
+  absl::Status Pin(float* data, int64_t floats);
+  size_t size() const { return pinned_.size(); }
+
+ private:
+  ComputeBackend* const backend_;
+  std::vector<void*> pinned_;
 };
 
 // name: "reference", "cpu", "cuda" or "auto" (cuda when a GPU is visible,

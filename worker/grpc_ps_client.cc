@@ -130,7 +130,7 @@ class GrpcPsClient final : public PsClient {
         const Part& part = plan_.parts()[p];
         shard.by_name.emplace(plan_.variables()[part.variable_index].name, p);
       }
-      shard.push_messages = PlanPushMessages(shard.parts);
+      shard.messages = PlanMessages(shard.parts);
     }
   }
 
@@ -290,7 +290,7 @@ class GrpcPsClient final : public PsClient {
     PullBuffers pull_in;
   };
 
-  // A run of one part's elements in a push message.
+  // A run of one part's elements in a stream message.
   struct SegmentRef {
     int part;  // index into plan_.parts()
     int64_t offset;
@@ -304,13 +304,13 @@ class GrpcPsClient final : public PsClient {
     std::vector<Connection> conns;                 // streams_per_shard of them
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    // A push's messages: max_chunk_bytes of data each, big parts spanning
-    // messages and small ones sharing one. A push or pull over several
-    // connections gives each a contiguous share of them.
-    std::vector<std::vector<SegmentRef>> push_messages;
+    // The shard's stream messages (registration, push): max_chunk_bytes of
+    // data each, big parts spanning messages and small ones sharing one. A
+    // push or pull over several connections gives each a contiguous share.
+    std::vector<std::vector<SegmentRef>> messages;
   };
 
-  std::vector<std::vector<SegmentRef>> PlanPushMessages(const std::vector<int>& parts) const {
+  std::vector<std::vector<SegmentRef>> PlanMessages(const std::vector<int>& parts) const {
     const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
     std::vector<std::vector<SegmentRef>> messages(1);
     int64_t in_msg = 0;
@@ -333,7 +333,7 @@ class GrpcPsClient final : public PsClient {
 
   // Streams a push to shard s is split over: no more than its messages.
   int NumStreams(int s) const {
-    return static_cast<int>(std::min(shards_[s].conns.size(), shards_[s].push_messages.size()));
+    return static_cast<int>(std::min(shards_[s].conns.size(), shards_[s].messages.size()));
   }
 
   // Runs fn(k, begin, end) for each stream k of a push to shard s, in
@@ -341,7 +341,7 @@ class GrpcPsClient final : public PsClient {
   // error that a retry cannot cure wins, else the first error.
   absl::Status ForEachStream(int s, const std::function<absl::Status(int, size_t, size_t)>& fn) {
     const int streams = NumStreams(s);
-    const size_t m = shards_[s].push_messages.size();
+    const size_t m = shards_[s].messages.size();
     auto run = [&](int k) { return fn(k, m * k / streams, m * (k + 1) / streams); };
     if (streams == 1) return run(0);
     std::vector<absl::Status> results(streams);
@@ -390,43 +390,6 @@ class GrpcPsClient final : public PsClient {
                           absl::ToChronoMilliseconds(options_.rpc_timeout));
   }
 
-  // Fills `msg` with segments of `parts` from `source` and calls `write`
-  // whenever max_chunk_bytes of data are in it; big parts span messages and
-  // small ones share a message.
-  template <typename Msg, typename Write>
-  bool StreamParts(const std::vector<int>& parts, absl::Span<const float* const> source, Msg* msg,
-                   Write write) {
-    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
-    msg->clear_segments();
-    int64_t in_msg = 0;
-    for (int p : parts) {
-      const Part& part = plan_.parts()[p];
-      const std::string& name = plan_.variables()[part.variable_index].name;
-      const float* base = source[part.variable_index] + part.elem_begin;
-      for (int64_t offset = 0; offset < part.num_elements();) {
-        const int64_t take = std::min(part.num_elements() - offset, chunk - in_msg);
-        Segment* segment = msg->add_segments();
-        segment->set_variable(name);
-        segment->set_offset(offset);
-        segment->mutable_data()->assign(reinterpret_cast<const char*>(base + offset), take * 4);
-        offset += take;
-        in_msg += take;
-        if (in_msg >= chunk) {
-          if (!write(*msg)) return false;
-          msg->clear_segments();
-          msg->clear_header();
-          in_msg = 0;
-        }
-      }
-    }
-    if (msg->segments_size() > 0 || msg->has_header()) {
-      if (!write(*msg)) return false;
-    }
-    msg->clear_segments();
-    msg->clear_header();
-    return true;
-  }
-
   absl::Status RegisterOnce(int s, absl::Span<const float* const> values) {
     Shard& shard = shards_[s];
     grpc::ClientContext context;
@@ -447,8 +410,22 @@ class GrpcPsClient final : public PsClient {
       def->set_row_begin(part.row_begin);
       def->set_row_end(part.row_end);
     }
-    StreamParts(shard.parts, values, &msg,
-                [&](const RegisterRequest& m) { return writer->Write(m); });
+    // The initial values in the messages a push would use (the header in
+    // the first).
+    for (const std::vector<SegmentRef>& message : shard.messages) {
+      for (const SegmentRef& seg : message) {
+        const Part& part = plan_.parts()[seg.part];
+        Segment* segment = msg.add_segments();
+        segment->set_variable(plan_.variables()[part.variable_index].name);
+        segment->set_offset(seg.offset);
+        segment->mutable_data()->assign(
+            reinterpret_cast<const char*>(values[part.variable_index] + part.elem_begin +
+                                          seg.offset),
+            seg.count * 4);
+      }
+      if (!writer->Write(msg)) break;
+      msg.Clear();
+    }
     writer->WritesDone();
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
@@ -471,7 +448,7 @@ class GrpcPsClient final : public PsClient {
     grpc::ByteBuffer message;
     bool ok = true;
     for (size_t i = begin; i < end && ok; ++i) {
-      for (const SegmentRef& seg : shard.push_messages[i]) {
+      for (const SegmentRef& seg : shard.messages[i]) {
         const Part& part = plan_.parts()[seg.part];
         encoder.AddSegment(plan_.variables()[part.variable_index].name, seg.offset,
                            grads[part.variable_index] + part.elem_begin + seg.offset, seg.count);
@@ -563,7 +540,7 @@ class GrpcPsClient final : public PsClient {
   }
 
   // A pull from shard s on connection k: every part when begin == end,
-  // else the elements of the shard's push messages [begin, end).
+  // else the elements of the shard's messages [begin, end).
   absl::Status PullOnce(int s, int k, size_t begin, size_t end, absl::Span<float* const> values,
                         PullResult* result) {
     Shard& shard = shards_[s];
@@ -575,7 +552,7 @@ class GrpcPsClient final : public PsClient {
     request.set_max_chunk_bytes(options_.max_chunk_bytes);
     int64_t expected = begin == end ? ShardElements(s) : 0;
     for (size_t i = begin; i < end; ++i) {
-      for (const SegmentRef& seg : shard.push_messages[i]) {
+      for (const SegmentRef& seg : shard.messages[i]) {
         const std::string& name = plan_.variables()[plan_.parts()[seg.part].variable_index].name;
         PullRange* last = request.ranges().empty()
                               ? nullptr

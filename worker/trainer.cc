@@ -4,8 +4,8 @@
 #include <cstdio>
 #include <functional>
 #include <string>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -98,36 +98,6 @@ struct Buffers {
   }
 };
 
-// Asks the backend to pin the big tensors of some Buffers (a GPU backend then
-// copies straight from and to them) and unpins them when destroyed: declare
-// it after the Buffers it pins, so that it goes first.
-class PinnedBuffers {
- public:
-  explicit PinnedBuffers(ComputeBackend* backend) : backend_(backend) {}
-  ~PinnedBuffers() {
-    for (void* p : pinned_) backend_->UnpinHostMemory(p);
-  }
-  void Pin(Buffers& buffers) {
-    for (auto& d : buffers.data) {
-      const size_t bytes = d.size() * sizeof(float);
-      if (bytes < kMinBytes) continue;  // staging small tensors costs little
-      absl::Status s = backend_->PinHostMemory(d.data(), bytes);
-      if (s.ok()) {
-        pinned_.push_back(d.data());
-      } else if (!warned_) {
-        std::fprintf(stderr, "worker: %s\n", std::string(s.message()).c_str());
-        warned_ = true;
-      }
-    }
-  }
-
- private:
-  static constexpr size_t kMinBytes = 256 * 1024;
-  ComputeBackend* const backend_;
-  std::vector<void*> pinned_;
-  bool warned_ = false;
-};
-
 void AppendNumber(std::string* out, const char* key, double value, bool comma = true) {
   absl::StrAppendFormat(out, "\"%s\": %.6g%s", key, value, comma ? ", " : "");
 }
@@ -198,8 +168,18 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
                           Batcher::Create(&train, batcher_options));
 
-  PinnedBuffers pinned(backend);
-  for (Buffers* b : {&params[0], &params[1], &grads[0], &grads[1]}) pinned.Pin(*b);
+  // A GPU backend copies straight from and to pinned tensors.
+  PinnedTensors pinned(backend);
+  bool warned = false;
+  for (Buffers* b : {&params[0], &params[1], &grads[0], &grads[1]}) {
+    for (FloatBuffer& d : b->data) {
+      absl::Status s = pinned.Pin(d.data(), d.size());
+      if (!s.ok() && !warned) {
+        std::fprintf(stderr, "worker: %s\n", std::string(s.message()).c_str());
+        warned = true;
+      }
+    }
+  }
 
   // Written by the comm thread between Start and Wait.
   double push_s = 0, pull_s = 0, push_pull_s = 0;

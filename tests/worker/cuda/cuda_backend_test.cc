@@ -243,7 +243,7 @@ TEST(CudaBackendTest, PinnedHostMemoryGivesTheSameStep) {
     param_ptrs.push_back(params[v].data());
     grad_ptrs.push_back(grads[v].data());
     const size_t bytes = params[v].size() * sizeof(float);
-    if (bytes < 256 * 1024) continue;
+    if (bytes < FloatBuffer::kOwnPagesBytes) continue;
     for (float* p : {params[v].data(), grads[v].data()}) {
       ASSERT_TRUE((*cuda)->PinHostMemory(p, bytes).ok());
       pinned.push_back(p);
