@@ -119,8 +119,8 @@ class BufferPool : public std::enable_shared_from_this<BufferPool> {
 };
 
 // Threads that apply push messages while the handler threads read the next
-// ones from gRPC. Run() queues a task and returns a ticket to wait on; each
-// push has at most one task in flight, so its messages stay in order.
+// ones from gRPC. Run() queues a task and returns a ticket to wait on; a
+// push has up to its window of messages in flight (see DoPush).
 class ApplierPool {
  public:
   class Ticket {
@@ -268,10 +268,11 @@ class ResponseWriter {
 // are those of proto/psflow.proto.
 class PsServer::Service final : public grpc::Service {
  public:
-  Service(VariableStore* store, int apply_threads)
+  Service(VariableStore* store, int apply_threads, int apply_window)
       : store_(store),
         pool_(std::make_shared<BufferPool>()),
-        appliers_(apply_threads > 0 ? std::make_unique<ApplierPool>(apply_threads) : nullptr) {
+        appliers_(apply_threads > 0 ? std::make_unique<ApplierPool>(apply_threads) : nullptr),
+        apply_window_(std::max(apply_window, 1)) {
     using grpc::internal::RpcMethod;
     using grpc::internal::RpcServiceMethod;
     AddMethod(new RpcServiceMethod(
@@ -400,22 +401,28 @@ class PsServer::Service final : public grpc::Service {
     int64_t count;
   };
 
-  // Validates every segment of one message, then applies them all (nothing of
-  // a message that fails validation is applied). The optimizer reads each
-  // segment where gRPC received it, run by run (a run is one slice's share of
-  // the segment); only a value split across two slices is first put together
-  // in `stitched`, 4 bytes at a time. With `read_back`, segment i's values
-  // after the update are copied to read_back[i] and its part's version to
-  // versions[i].
-  absl::Status ApplyPush(const wire::DecodedMessage& msg, VariableStore::PushSession* session,
-                         std::vector<GradPiece>* pieces, std::vector<float>* stitched,
-                         char* const* read_back = nullptr, int64_t* versions = nullptr) {
+  // Splits a message's segments into runs of whole float32 values and
+  // validates every segment (nothing of a message that fails validation is
+  // applied). The optimizer later reads each segment where gRPC received it,
+  // run by run (a run is one slice's share of the segment); only a value
+  // split across two slices is first put together in `stitched`, 4 bytes at
+  // a time.
+  struct PreparedPush {
+    std::vector<GradPiece> pieces;
+    std::vector<float> stitched;       // pieces point into it
+    std::vector<size_t> first_piece;   // per segment, and the end
+  };
+  absl::Status PreparePush(const wire::DecodedMessage& msg, VariableStore::PushSession* session,
+                           PreparedPush* prepared) {
+    std::vector<GradPiece>* pieces = &prepared->pieces;
+    std::vector<float>* stitched = &prepared->stitched;
+    std::vector<size_t>& first_piece = prepared->first_piece;
     pieces->clear();
     stitched->clear();
     size_t runs = 0;
     for (size_t i = 0; i < msg.num_segments; ++i) runs += msg.segments[i].num_runs;
     stitched->reserve(runs);  // pieces point into it: it must not reallocate
-    std::vector<size_t> first_piece(msg.num_segments + 1);
+    first_piece.assign(msg.num_segments + 1, 0);
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
       first_piece[i] = pieces->size();
@@ -461,10 +468,19 @@ class PsServer::Service final : public grpc::Service {
             session->Validate(seg.variable, piece.offset, piece.data, piece.count));
       }
     }
+    return absl::OkStatus();
+  }
+
+  // Applies a message PreparePush has validated. With `read_back`, segment
+  // i's values after the update are copied to read_back[i] and its part's
+  // version to versions[i].
+  absl::Status ApplyPrepared(const wire::DecodedMessage& msg, const PreparedPush& prepared,
+                             VariableStore::PushSession* session,
+                             char* const* read_back = nullptr, int64_t* versions = nullptr) {
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
-      for (size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
-        const GradPiece& piece = (*pieces)[k];
+      for (size_t k = prepared.first_piece[i]; k < prepared.first_piece[i + 1]; ++k) {
+        const GradPiece& piece = prepared.pieces[k];
         char* out = read_back == nullptr ? nullptr
                                          : read_back[i] + 4 * (piece.offset - seg.offset);
         PSFLOW_RETURN_IF_ERROR(session->Apply(seg.variable, piece.offset, piece.data, piece.count,
@@ -476,41 +492,57 @@ class PsServer::Service final : public grpc::Service {
     return absl::OkStatus();
   }
 
-  // A push is a pipeline of two stages: this handler thread reads and
-  // decodes message k+1 from gRPC while an applier thread validates and
-  // applies message k, so the optimizer runs while the next bytes arrive
-  // instead of stalling the stream (and, through HTTP/2 flow control, the
-  // sender). Messages of one push are applied in order, one at a time.
+  // A push is a pipeline: this handler thread reads, decodes and validates
+  // the messages in order, and hands each valid one to the applier pool,
+  // with up to `apply_window_` messages of the push being applied at once
+  // (on different element ranges: the store locks a part per stripe). So
+  // the optimizer runs while the next bytes arrive, on as many cores as the
+  // stream needs, instead of stalling the stream (and, through HTTP/2 flow
+  // control, the sender). A message that fails validation is not applied
+  // and ends the push: the ones before it are applied (as for a broken
+  // stream), none after it is read.
   absl::Status DoPush(grpc::ServerContext* context, grpc::ServerReader<grpc::ByteBuffer>* reader,
                       PushResponse* response) {
-    PushMessage slots[2];
-    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &slots[0]));
-    if (!got || !slots[0].msg.has_header) {
+    const int window = appliers_ == nullptr ? 1 : apply_window_;
+    struct Slot {
+      PushMessage message;
+      PreparedPush prepared;
+    };
+    // Message n lives in slots[n % (window + 1)]: up to `window` being
+    // applied, one more being read.
+    std::vector<Slot> slots(window + 1);
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &slots[0].message));
+    if (!got || !slots[0].message.msg.has_header) {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
-    const wire::PushHeaderFields& h = slots[0].msg.header;
+    const wire::PushHeaderFields& h = slots[0].message.msg.header;
     auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
-    std::vector<GradPiece> pieces;
-    std::vector<float> stitched;
+    std::deque<ApplierPool::Ticket> applying;  // oldest first
     absl::Status status;
-    int cur = 0;
-    while (true) {
-      PushMessage& applying = slots[cur];
-      PushMessage& next = slots[1 - cur];
-      absl::StatusOr<bool> more = false;
+    for (size_t n = 0;; ++n) {
+      Slot& slot = slots[n % slots.size()];
+      status = PreparePush(slot.message.msg, session.get(), &slot.prepared);
+      if (!status.ok()) break;
       if (appliers_ == nullptr) {  // one stage: apply, then read the next message
-        status = ApplyPush(applying.msg, session.get(), &pieces, &stitched);
-        if (status.ok()) more = ReadPush(reader, &next);
+        status = ApplyPrepared(slot.message.msg, slot.prepared, session.get());
       } else {
-        ApplierPool::Ticket ticket = appliers_->Run([&] {
-          return ApplyPush(applying.msg, session.get(), &pieces, &stitched);
-        });
-        more = ReadPush(reader, &next);
-        status = ticket.Wait();
+        applying.push_back(appliers_->Run([this, &slot, &session] {
+          return ApplyPrepared(slot.message.msg, slot.prepared, session.get());
+        }));
+        if (static_cast<int>(applying.size()) == window) {  // free the next slot
+          status = applying.front().Wait();
+          applying.pop_front();
+        }
       }
-      if (status.ok() && !more.ok()) status = more.status();
+      if (!status.ok()) break;
+      absl::StatusOr<bool> more = ReadPush(reader, &slots[(n + 1) % slots.size()].message);
+      if (!more.ok()) status = more.status();
       if (!status.ok() || !*more) break;
-      cur = 1 - cur;
+    }
+    // Every message handed to the pool finishes before the slots go away.
+    for (ApplierPool::Ticket& ticket : applying) {
+      absl::Status s = ticket.Wait();
+      if (status.ok()) status = std::move(s);
     }
     if (status.ok() && context->IsCancelled()) {
       status = absl::CancelledError("Push: the stream broke before it was complete");
@@ -536,8 +568,7 @@ class PsServer::Service final : public grpc::Service {
     }
     const wire::PushHeaderFields& h = m.msg.header;
     auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
-    std::vector<GradPiece> pieces;
-    std::vector<float> stitched;
+    PreparedPush prepared;
     std::vector<char*> read_back;
     std::vector<int64_t> versions;
     std::string tail;
@@ -564,8 +595,10 @@ class PsServer::Service final : public grpc::Service {
           read_back[i] = p + len;
           len += static_cast<size_t>(std::max<int64_t>(seg.data_bytes, 0));
         }
-        status = ApplyPush(msg, session.get(), &pieces, &stitched, read_back.data(),
-                           versions.data());
+        status = PreparePush(msg, session.get(), &prepared);
+        if (status.ok()) {
+          status = ApplyPrepared(msg, prepared, session.get(), read_back.data(), versions.data());
+        }
         if (!status.ok()) {
           BufferPool::Return(buf);
           break;
@@ -707,6 +740,7 @@ class PsServer::Service final : public grpc::Service {
   VariableStore* const store_;
   const std::shared_ptr<BufferPool> pool_;
   const std::unique_ptr<ApplierPool> appliers_;  // null: apply on the handler thread
+  const int apply_window_;  // messages of one push applied at once
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };
@@ -720,7 +754,8 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int apply_threads =
       options.apply_threads >= 0 ? options.apply_threads : (cores >= 4 ? std::min(cores, 16) : 0);
-  server->service_ = std::make_unique<Service>(server->store_.get(), apply_threads);
+  server->service_ =
+      std::make_unique<Service>(server->store_.get(), apply_threads, options.apply_window);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

@@ -31,6 +31,9 @@ struct PsServerOptions {
   // 0 applies on the thread that reads (no pipeline); -1 picks one per core
   // (at most 16) on machines with 4 or more cores, else 0.
   int apply_threads = -1;
+  // With applier threads: messages of one push applied at once (each on its
+  // own element range); 1 applies them one after another, in order.
+  int apply_window = 4;
   // Extra gRPC channel arguments of the server ("grpc.http2.lookahead_bytes"
   // and the like), for tuning experiments; a value that parses as an
   // integer is passed as one, else as a string.

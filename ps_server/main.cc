@@ -16,6 +16,7 @@
 #include "absl/flags/parse.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -55,6 +56,9 @@ ABSL_FLAG(int, threads, 0, "Most threads serving calls (0 = gRPC's default).");
 ABSL_FLAG(int, apply_threads, -1,
           "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
           "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0).");
+ABSL_FLAG(int, apply_window, 4,
+          "With applier threads: messages of one push applied at once, each on its own "
+          "element range (1 = one after another, in order).");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC server channel arguments, name=value[,name=value...] (for tuning "
           "experiments, e.g. grpc.experimental.tcp_min_read_chunk_size=262144).");
@@ -97,6 +101,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
+  options.apply_window = absl::GetFlag(FLAGS_apply_window);
+  if (options.apply_window < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("--apply_window is ", options.apply_window,
+                                                   "; expected 1 or more"));
+  }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return grpc_args.status();
   options.grpc_args = std::move(*grpc_args);

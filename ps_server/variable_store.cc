@@ -86,6 +86,41 @@ void AddRange(Ranges* ranges, int64_t begin, int64_t end) {
 
 }  // namespace
 
+// Holds the stripes of `part` that elements [begin, end) fall in, taken in
+// increasing order; exclusively (to update) or shared (to read).
+class VariableStore::StripeLock {
+ public:
+  StripeLock(const Part& part, int64_t begin, int64_t end, bool exclusive)
+      : part_(part),
+        first_(begin / Part::kStripeElements),
+        last_(end > begin ? (end - 1) / Part::kStripeElements : first_ - 1),
+        exclusive_(exclusive) {
+    for (int64_t i = first_; i <= last_; ++i) {
+      if (exclusive_) {
+        part_.stripes[i].Lock();
+      } else {
+        part_.stripes[i].ReaderLock();
+      }
+    }
+  }
+  ~StripeLock() {
+    for (int64_t i = last_; i >= first_; --i) {
+      if (exclusive_) {
+        part_.stripes[i].Unlock();
+      } else {
+        part_.stripes[i].ReaderUnlock();
+      }
+    }
+  }
+  StripeLock(const StripeLock&) = delete;
+  StripeLock& operator=(const StripeLock&) = delete;
+
+ private:
+  const Part& part_;
+  const int64_t first_, last_;
+  const bool exclusive_;
+};
+
 int64_t PartDefinition::num_elements() const {
   int64_t row = 1;
   for (size_t i = 1; i < variable_shape.size(); ++i) row *= variable_shape[i];
@@ -125,8 +160,7 @@ VariableStore::VariableStore(const VariableStoreOptions& options,
 VariableStore::~VariableStore() = default;
 
 std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition& def) const {
-  auto part = std::make_unique<Part>(def);
-  absl::MutexLock lock(&part->mu);
+  auto part = std::make_unique<Part>(def);  // not shared yet: no lock needed
   part->params = FloatBuffer(part->num_elements);
   for (int i = 0; i < optimizer_->num_slots(); ++i) {
     part->slots.emplace_back(part->num_elements, optimizer_->slot_initial_value(i));
@@ -242,7 +276,7 @@ absl::Status VariableStore::Registration::AddValues(absl::string_view variable, 
                                                    "' must arrive in order: expected offset ",
                                                    p.received, ", got ", offset));
   }
-  absl::MutexLock lock(&part.mu);
+  StripeLock lock(part, offset, offset + count, /*exclusive=*/true);
   std::memcpy(part.params.data() + offset, data, count * 4);
   p.received += count;
   return absl::OkStatus();
@@ -306,9 +340,13 @@ std::unique_ptr<VariableStore::PushSession> VariableStore::BeginPush(const PushH
 VariableStore::PushSession::~PushSession() = default;
 
 absl::StatusOr<VariableStore::Part*> VariableStore::PushSession::Find(absl::string_view variable) {
-  auto it = cache_.find(variable);
-  if (it != cache_.end()) return it->second;
+  {
+    absl::MutexLock lock(&cache_mu_);
+    auto it = cache_.find(variable);
+    if (it != cache_.end()) return it->second;
+  }
   PSFLOW_ASSIGN_OR_RETURN(Part * part, store_->FindPart(variable));
+  absl::MutexLock lock(&cache_mu_);
   cache_.emplace(std::string(variable), part);
   return part;
 }
@@ -360,12 +398,14 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   int64_t applied = 0;
   if (todo.empty()) {
     if (read_back != nullptr) {
-      absl::ReaderMutexLock lock(&part->mu);
+      StripeLock lock(*part, offset, offset + count, /*exclusive=*/false);
       std::memcpy(read_back, part->params.data() + offset, count * 4);
       if (version != nullptr) *version = part->version.load();
     }
   } else {
-    absl::MutexLock lock(&part->mu);
+    // Only this segment's stripes: other messages of the push (other
+    // ranges of the part) are applied beside it.
+    StripeLock lock(*part, offset, offset + count, /*exclusive=*/true);
     for (const auto& [begin, end] : todo) {
       float* slots[4];
       for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + begin;
@@ -413,7 +453,7 @@ absl::StatusOr<int64_t> VariableStore::Read(absl::string_view variable, int64_t 
         ") but its part on ",
         "ps shard ", options_.shard_index, " has ", part->num_elements, " elements"));
   }
-  absl::ReaderMutexLock lock(&part->mu);
+  StripeLock lock(*part, offset, offset + count, /*exclusive=*/false);
   std::memcpy(out, part->params.data() + offset, count * 4);
   return part->version.load();
 }
@@ -423,7 +463,6 @@ std::vector<PartSnapshot> VariableStore::ListParts() const {
   absl::ReaderMutexLock lock(&parts_mu_);
   out.reserve(parts_.size());
   for (const auto& [name, part] : parts_) {
-    absl::ReaderMutexLock part_lock(&part->mu);
     out.push_back({part->def, part->num_elements, part->version.load()});
   }
   std::sort(out.begin(), out.end(),
@@ -433,7 +472,6 @@ std::vector<PartSnapshot> VariableStore::ListParts() const {
 
 absl::StatusOr<PartSnapshot> VariableStore::GetPart(absl::string_view variable) const {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
-  absl::ReaderMutexLock lock(&part->mu);
   return PartSnapshot{part->def, part->num_elements, part->version.load()};
 }
 

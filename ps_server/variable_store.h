@@ -2,9 +2,11 @@
 // count and version) and the rules for registering, pulling and pushing them.
 // It knows nothing of RPC; grpc_ps_service.cc adapts it to the wire.
 //
-// Thread-safe. Each part has its own lock, so pushes to different parts run
-// in parallel; the part table has a reader-writer lock taken only to find a
-// part or to add new ones.
+// Thread-safe. A part's values are locked per stripe of elements, so pushes
+// to different parts, and to different element ranges of one part (the
+// messages of one push, applied in parallel), run in parallel; the part
+// table has a reader-writer lock taken only to find a part or to add new
+// ones.
 #ifndef PSFLOW_PS_SERVER_VARIABLE_STORE_H_
 #define PSFLOW_PS_SERVER_VARIABLE_STORE_H_
 
@@ -85,13 +87,29 @@ struct PushHeaderInfo {
 };
 
 class VariableStore {
+ public:
+  // Elements per lock stripe of a part (256 KiB of parameters): a 1 MiB push
+  // message covers 4-5 stripes, the seed model's big kernel 43.
+  static constexpr int64_t kLockStripeElements = int64_t{1} << 16;
+
+ private:
   struct Part {
-    explicit Part(PartDefinition d) : def(std::move(d)), num_elements(def.num_elements()) {}
+    static constexpr int64_t kStripeElements = kLockStripeElements;
+    explicit Part(PartDefinition d)
+        : def(std::move(d)),
+          num_elements(def.num_elements()),
+          num_stripes((num_elements + kStripeElements - 1) / kStripeElements),
+          stripes(new absl::Mutex[static_cast<size_t>(num_stripes)]) {}
     const PartDefinition def;
     const int64_t num_elements;
-    mutable absl::Mutex mu;
-    FloatBuffer params ABSL_GUARDED_BY(mu);
-    std::vector<FloatBuffer> slots ABSL_GUARDED_BY(mu);
+    const int64_t num_stripes;
+    // stripes[i] guards elements [i * kStripeElements, (i + 1) *
+    // kStripeElements) of `params` and of every slot. Whoever holds several
+    // takes them in increasing order (StripeLock), so no two holders
+    // deadlock. (Not expressible in thread annotations.)
+    const std::unique_ptr<absl::Mutex[]> stripes;
+    FloatBuffer params;
+    std::vector<FloatBuffer> slots;
     // Pushes begun on this part; also the optimizer's step count for it. An
     // atomic, so that a push takes its step without waiting for `mu` (which
     // another push may hold while its optimizer runs).
@@ -160,8 +178,9 @@ class VariableStore {
   // at most once per request id, whatever the order of the segments and
   // however many sessions (streams) carry them at once. Elements already
   // applied under the id are skipped; a segment overlapping one that another
-  // session is applying right now waits for it. One session is not
-  // thread-safe; sessions of the same request id may run in parallel.
+  // call is applying right now waits for it. Thread-safe: the messages of
+  // one session may be applied from several threads at once, and sessions
+  // of the same request id may run in parallel.
   class PushSession {
    public:
     ~PushSession();
@@ -195,9 +214,10 @@ class VariableStore {
     absl::StatusOr<Part*> Find(absl::string_view variable);
     VariableStore* store_;
     std::shared_ptr<LedgerEntry> entry_;
-    absl::flat_hash_map<std::string, Part*> cache_;
-    int64_t applied_ = 0;
-    int64_t skipped_ = 0;
+    absl::Mutex cache_mu_;
+    absl::flat_hash_map<std::string, Part*> cache_ ABSL_GUARDED_BY(cache_mu_);
+    std::atomic<int64_t> applied_{0};
+    std::atomic<int64_t> skipped_{0};
   };
   std::unique_ptr<PushSession> BeginPush(const PushHeaderInfo& header);
 
@@ -213,6 +233,7 @@ class VariableStore {
   StoreStats stats() const;
 
  private:
+  class StripeLock;
   VariableStore(const VariableStoreOptions& options, std::unique_ptr<Optimizer> optimizer);
   absl::StatusOr<Part*> FindPart(absl::string_view variable) const;
   std::unique_ptr<Part> NewPart(const PartDefinition& def) const;

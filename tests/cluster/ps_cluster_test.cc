@@ -335,6 +335,51 @@ TEST_F(PsClusterTest, PushOverSeveralStreamsEqualsOneStreamUnderAdam) {
   }
 }
 
+TEST_F(PsClusterTest, MessagesAppliedInParallelEqualInOrderUnderAdam) {
+  // The seed model pushed in 64 KiB messages (about 170 per push) to one
+  // shard that applies them on the reading thread, one at a time on an
+  // applier, and up to 8 at once on 4 appliers: bit-identical after 3 steps.
+  const std::vector<VariableSpec> vars = SeedModel();
+  std::vector<Tensors> results;
+  for (auto [threads, window] : {std::pair{0, 1}, {4, 1}, {4, 8}}) {
+    SCOPED_TRACE(absl::StrCat(threads, " apply threads, window ", window));
+    PsServerOptions options;
+    options.address = "127.0.0.1:0";
+    options.apply_threads = threads;
+    options.apply_window = window;
+    auto server = PsServer::Start(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    servers_.clear();
+    addresses_ = {(*server)->client_address()};
+    servers_.push_back(std::move(*server));
+    auto client = Client(vars, 64 * 1024);
+    ASSERT_NE(client, nullptr);
+    Tensors init = Make(vars, 0.5f);
+    ASSERT_TRUE(client->Register(init.cptrs()).ok());
+    for (int step = 1; step <= 3; ++step) {
+      Tensors g = Make(vars, 0.0f);
+      for (size_t v = 0; v < vars.size(); ++v) {
+        for (size_t i = 0; i < g.data[v].size(); ++i) {
+          g.data[v][i] = static_cast<float>((i * 11 + v * 3 + step * 5) % 29) * 0.01f - 0.14f;
+        }
+      }
+      ASSERT_TRUE(client->Push(g.cptrs(), {step, 0}).ok());
+    }
+    Tensors out = Make(vars, -99.0f);
+    auto pulled = client->Pull(out.ptrs());
+    ASSERT_TRUE(pulled.ok()) << pulled.status();
+    EXPECT_EQ(pulled->min_version, 3);
+    EXPECT_EQ(pulled->max_version, 3);
+    results.push_back(std::move(out));
+  }
+  ASSERT_EQ(results.size(), 3u);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    EXPECT_EQ(results[1].data[v], results[0].data[v]) << vars[v].name;
+    EXPECT_EQ(results[2].data[v], results[0].data[v]) << vars[v].name;
+    EXPECT_NE(results[0].data[v][0], 0.5f) << vars[v].name << " did not move";
+  }
+}
+
 TEST_F(PsClusterTest, ServerTakesExtraGrpcArguments) {
   PsServerOptions options;
   options.address = "127.0.0.1:0";
@@ -593,6 +638,21 @@ TEST_F(RawPushTest, BrokenStreamKeepsWhatArrivedAndRetryCompletesIt) {
   EXPECT_EQ(response.elements_skipped(), 4);
   EXPECT_EQ(response.elements_applied(), 4);
   EXPECT_THAT(Values(), ::testing::Each(-1.0f));
+}
+
+TEST_F(RawPushTest, BadMessageMidPushKeepsTheEarlierOnesAndEndsThePush) {
+  // Shard 0 applies on its applier pool, several messages of a push at once:
+  // still, a bad message is not applied, the messages before it are, and
+  // nothing after it is read (as for a broken stream).
+  PushRequest a, b, bad, d;
+  AddSegment(&a, "w", 0, {1, 1});
+  AddSegment(&b, "w", 2, {1, 1});
+  AddSegment(&bad, "w", 4, {1, std::numeric_limits<float>::quiet_NaN()});
+  AddSegment(&d, "w", 6, {1, 1});
+  grpc::Status status = RawPush({a, b, bad, d}, 88);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("element 5"));
+  EXPECT_THAT(Values(), ::testing::ElementsAre(-1, -1, -1, -1, 0, 0, 0, 0));
 }
 
 TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
