@@ -639,6 +639,8 @@ class GrpcPsClient final : public PsClient {
 
 }  // namespace
 
+int AutoStreamsPerShard(int cores) { return cores >= 8 ? 4 : 1; }
+
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options) {
   if (options.ps_addresses.empty()) {

@@ -30,13 +30,22 @@ struct GrpcPsClientOptions {
   // Connections per shard that a Push or PushPull is split over: each
   // carries a contiguous share of the shard's messages on its own HTTP/2
   // connection (so the shard receives them on separate threads), all with
-  // the same request id. 1 sends each push as one stream.
+  // the same request id. 1 sends each push as one stream; see
+  // AutoStreamsPerShard for what the worker picks by default.
   int streams_per_shard = 1;
   // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
   // like), for tuning experiments; a value that parses as an integer is
   // passed as one, else as a string.
   GrpcArgs grpc_args;
 };
+
+// Connections per shard for a worker on a machine with `cores` cores (0:
+// unknown): 4 with 8 cores or more, where a shard receiving a push on
+// several threads beats one connection (on the 16-core machine 1.13x raw
+// TCP against 0.57x, docs/BENCHMARKS.md), else 1 (on 2 cores the client,
+// the shards and the kernel's socket copies already share both cores, and
+// more connections only add threads).
+int AutoStreamsPerShard(int cores);
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options);

@@ -60,9 +60,10 @@ ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20, "Tensor data per stream message.");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments of the connections to the ps shards, "
           "name=value[,name=value...] (for tuning experiments).");
-ABSL_FLAG(int, ps_streams, 1,
-          "Connections per ps shard that each push (or PushPull) is split over, so that the "
-          "shard receives it on several threads; 1 to 64.");
+ABSL_FLAG(int, ps_streams, 0,
+          "Connections per ps shard that each push, pull (or PushPull) is split over, so that "
+          "the shard receives it on several threads; 1 to 64, or 0 = 4 on machines with 8 or "
+          "more cores, else 1.");
 ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
 ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
           "register the variables.");
@@ -140,6 +141,10 @@ int main(int argc, char** argv) {
   client_options.worker_id = replica;
   client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   client_options.streams_per_shard = absl::GetFlag(FLAGS_ps_streams);
+  if (client_options.streams_per_shard == 0) {
+    client_options.streams_per_shard =
+        AutoStreamsPerShard(static_cast<int>(std::thread::hardware_concurrency()));
+  }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return Fail(grpc_args.status());
   client_options.grpc_args = std::move(*grpc_args);
@@ -149,13 +154,15 @@ int main(int argc, char** argv) {
 
   int64_t parameters = 0;
   for (const auto& v : model->variables) parameters += v.num_elements();
-  std::printf("worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples in "
-              "this shard's data set, device %s, %d threads, %zu ps shards\n",
+  std::printf("worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples "
+              "shared by %d workers each epoch, device %s, %d threads, %zu ps shards (%d "
+              "connections each)\n",
               replica, replicas, cluster->is_chief() ? " (chief)" : "",
               absl::GetFlag(FLAGS_dataset).c_str(), model->spec.c_str(),
               static_cast<long long>(parameters),
-              static_cast<long long>(data->train.num_examples), (*backend)->name().c_str(), threads,
-              cluster->ps.size());
+              static_cast<long long>(data->train.num_examples), replicas,
+              (*backend)->name().c_str(), threads,
+              cluster->ps.size(), client_options.streams_per_shard);
   std::fflush(stdout);
 
   TrainerOptions options;

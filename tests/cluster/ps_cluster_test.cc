@@ -25,6 +25,7 @@ using server::OptimizerOptions;
 using server::PsServer;
 using server::PsServerOptions;
 using ::testing::HasSubstr;
+using worker::AutoStreamsPerShard;
 using worker::CreateGrpcPsClient;
 using worker::GrpcPsClientOptions;
 using worker::PsClient;
@@ -416,6 +417,13 @@ TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
   auto client = CreateGrpcPsClient({{"w", {3}}}, options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(client.status().message(), HasSubstr("streams_per_shard is 0"));
+  // The worker's default (--ps_streams=0): more connections only where
+  // there are cores to receive them.
+  EXPECT_EQ(AutoStreamsPerShard(0), 1);  // core count unknown
+  EXPECT_EQ(AutoStreamsPerShard(2), 1);
+  EXPECT_EQ(AutoStreamsPerShard(7), 1);
+  EXPECT_EQ(AutoStreamsPerShard(8), 4);
+  EXPECT_EQ(AutoStreamsPerShard(16), 4);
 }
 
 void PsClusterTest::CheckPushPullValues(int streams) {
