@@ -529,7 +529,10 @@ class PsServer::Service final : public grpc::Service {
         applying.push_back(appliers_->Run([this, &slot, &session] {
           return ApplyPrepared(slot.message.msg, slot.prepared, session.get());
         }));
-        if (static_cast<int>(applying.size()) == window) {  // free the next slot
+        // Message n-window's slot is the one message n+1 is read into:
+        // wait for it, so that `window` messages are applied while the next
+        // one is read.
+        if (static_cast<int>(applying.size()) > window) {
           status = applying.front().Wait();
           applying.pop_front();
         }

@@ -337,9 +337,11 @@ TEST_F(PsClusterTest, PushOverSeveralStreamsEqualsOneStreamUnderAdam) {
 }
 
 TEST_F(PsClusterTest, MessagesAppliedInParallelEqualInOrderUnderAdam) {
-  // The seed model pushed in 64 KiB messages (about 170 per push) to one
-  // shard that applies them on the reading thread, one at a time on an
-  // applier, and up to 8 at once on 4 appliers: bit-identical after 3 steps.
+  // The seed model pushed in 256 KiB messages (about 43 per push, each
+  // about one lock stripe of the big kernel, so that messages in flight
+  // together update different stripes at once) to one shard that applies
+  // them on the reading thread, one at a time on an applier, and up to 8 at
+  // once on 4 appliers: bit-identical after 3 steps.
   const std::vector<VariableSpec> vars = SeedModel();
   std::vector<Tensors> results;
   for (auto [threads, window] : {std::pair{0, 1}, {4, 1}, {4, 8}}) {
@@ -353,7 +355,7 @@ TEST_F(PsClusterTest, MessagesAppliedInParallelEqualInOrderUnderAdam) {
     servers_.clear();
     addresses_ = {(*server)->client_address()};
     servers_.push_back(std::move(*server));
-    auto client = Client(vars, 64 * 1024);
+    auto client = Client(vars, 256 * 1024);
     ASSERT_NE(client, nullptr);
     Tensors init = Make(vars, 0.5f);
     ASSERT_TRUE(client->Register(init.cptrs()).ok());

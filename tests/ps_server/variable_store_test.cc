@@ -319,7 +319,9 @@ TEST(VariableStoreTest, ConcurrentPushesToDifferentPartsAndTheSamePart) {
 TEST(VariableStoreTest, OneSessionAppliedFromSeveralThreadsEqualsInOrder) {
   // The server applies the messages of one push on several threads at once:
   // under Adam the result must be bit-identical to applying them in order,
-  // with one step per push, also where chunks cross the part's lock stripes.
+  // with one step per push and every element counted once. (The chunks are
+  // disjoint; that an update locks every stripe it writes is the next
+  // test's.)
   constexpr int64_t kElements = 3 * VariableStore::kLockStripeElements + 1001;
   constexpr int64_t kChunk = 50'000;  // not a multiple of the stripe
   auto adam_store = [] {
