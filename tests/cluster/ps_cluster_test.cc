@@ -109,6 +109,39 @@ class PsClusterTest : public ::testing::Test {
   // PushPull's answers are the values right after its own update.
   void CheckPushPullValues(int streams);
 
+  // Registers `vars` at 0.5, pushes three fixed gradients through `client`
+  // and returns what a Pull then reads (each part at version 3).
+  Tensors ThreeAdamSteps(PsClient* client, const std::vector<VariableSpec>& vars) {
+    Tensors init = Make(vars, 0.5f);
+    EXPECT_TRUE(client->Register(init.cptrs()).ok());
+    for (int step = 1; step <= 3; ++step) {
+      Tensors g = Make(vars, 0.0f);
+      for (size_t v = 0; v < vars.size(); ++v) {
+        for (size_t i = 0; i < g.data[v].size(); ++i) {
+          g.data[v][i] = static_cast<float>((i * 13 + v * 5 + step * 3) % 23) * 0.01f - 0.1f;
+        }
+      }
+      EXPECT_TRUE(client->Push(g.cptrs(), {step, 0}).ok());
+    }
+    Tensors out = Make(vars, -99.0f);
+    auto pulled = client->Pull(out.ptrs());
+    EXPECT_TRUE(pulled.ok()) << pulled.status();
+    if (pulled.ok()) {
+      EXPECT_EQ(pulled->min_version, 3);
+      EXPECT_EQ(pulled->max_version, 3);
+    }
+    return out;
+  }
+
+  // `got` equals `want` bit for bit, and the values moved from 0.5.
+  static void ExpectSameUpdate(const std::vector<VariableSpec>& vars, const Tensors& want,
+                               const Tensors& got) {
+    for (size_t v = 0; v < vars.size(); ++v) {
+      EXPECT_EQ(got.data[v], want.data[v]) << vars[v].name;
+      EXPECT_NE(want.data[v][0], 0.5f) << vars[v].name << " did not move";
+    }
+  }
+
   std::vector<std::unique_ptr<PsServer>> servers_;
   std::vector<std::string> addresses_;
 };
@@ -312,28 +345,9 @@ TEST_F(PsClusterTest, PushOverSeveralStreamsEqualsOneStreamUnderAdam) {
     StartCluster(2);  // Adam
     auto client = Client(vars, 1 << 20, 256 * 1024, 0, streams);
     ASSERT_NE(client, nullptr);
-    Tensors init = Make(vars, 0.5f);
-    ASSERT_TRUE(client->Register(init.cptrs()).ok());
-    for (int step = 1; step <= 3; ++step) {
-      Tensors g = Make(vars, 0.0f);
-      for (size_t v = 0; v < vars.size(); ++v) {
-        for (size_t i = 0; i < g.data[v].size(); ++i) {
-          g.data[v][i] = static_cast<float>((i * 13 + v * 5 + step * 3) % 23) * 0.01f - 0.1f;
-        }
-      }
-      ASSERT_TRUE(client->Push(g.cptrs(), {step, 0}).ok());
-    }
-    Tensors out = Make(vars, -99.0f);
-    auto pulled = client->Pull(out.ptrs());
-    ASSERT_TRUE(pulled.ok()) << pulled.status();
-    EXPECT_EQ(pulled->min_version, 3);
-    EXPECT_EQ(pulled->max_version, 3);
-    results.push_back(std::move(out));
+    results.push_back(ThreeAdamSteps(client.get(), vars));
   }
-  for (size_t v = 0; v < vars.size(); ++v) {
-    EXPECT_EQ(results[0].data[v], results[1].data[v]) << vars[v].name;
-    EXPECT_NE(results[0].data[v][0], 0.5f) << vars[v].name << " did not move";
-  }
+  ExpectSameUpdate(vars, results[0], results[1]);
 }
 
 TEST_F(PsClusterTest, MessagesAppliedInParallelEqualInOrderUnderAdam) {
@@ -357,30 +371,11 @@ TEST_F(PsClusterTest, MessagesAppliedInParallelEqualInOrderUnderAdam) {
     servers_.push_back(std::move(*server));
     auto client = Client(vars, 256 * 1024);
     ASSERT_NE(client, nullptr);
-    Tensors init = Make(vars, 0.5f);
-    ASSERT_TRUE(client->Register(init.cptrs()).ok());
-    for (int step = 1; step <= 3; ++step) {
-      Tensors g = Make(vars, 0.0f);
-      for (size_t v = 0; v < vars.size(); ++v) {
-        for (size_t i = 0; i < g.data[v].size(); ++i) {
-          g.data[v][i] = static_cast<float>((i * 11 + v * 3 + step * 5) % 29) * 0.01f - 0.14f;
-        }
-      }
-      ASSERT_TRUE(client->Push(g.cptrs(), {step, 0}).ok());
-    }
-    Tensors out = Make(vars, -99.0f);
-    auto pulled = client->Pull(out.ptrs());
-    ASSERT_TRUE(pulled.ok()) << pulled.status();
-    EXPECT_EQ(pulled->min_version, 3);
-    EXPECT_EQ(pulled->max_version, 3);
-    results.push_back(std::move(out));
+    results.push_back(ThreeAdamSteps(client.get(), vars));
   }
   ASSERT_EQ(results.size(), 3u);
-  for (size_t v = 0; v < vars.size(); ++v) {
-    EXPECT_EQ(results[1].data[v], results[0].data[v]) << vars[v].name;
-    EXPECT_EQ(results[2].data[v], results[0].data[v]) << vars[v].name;
-    EXPECT_NE(results[0].data[v][0], 0.5f) << vars[v].name << " did not move";
-  }
+  ExpectSameUpdate(vars, results[0], results[1]);
+  ExpectSameUpdate(vars, results[0], results[2]);
 }
 
 TEST_F(PsClusterTest, ServerTakesExtraGrpcArguments) {
