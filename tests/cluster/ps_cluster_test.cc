@@ -660,6 +660,43 @@ TEST_F(RawPushTest, BadMessageMidPushKeepsTheEarlierOnesAndEndsThePush) {
   EXPECT_THAT(Values(), ::testing::ElementsAre(-1, -1, -1, -1, 0, 0, 0, 0));
 }
 
+TEST_F(RawPushTest, BadMessageIsAnsweredOnlyOnceTheMessagesBeforeItAreApplied) {
+  // Three 4 MiB messages, then a small bad one that is read and refused
+  // while the third is still being applied: the push must be answered only
+  // after every message before the bad one is applied (and the session they
+  // use is still alive), so a Pull right after the answer sees all of them.
+  PsServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.store.optimizer = SgdLr1();
+  options.apply_threads = 2;
+  auto server = PsServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  addresses_ = {(*server)->client_address()};
+  servers_.push_back(std::move(*server));
+  constexpr int64_t kChunk = 1 << 20;  // elements per big message
+  const std::vector<VariableSpec> vars = {{"big", {3 * kChunk + 16}}};
+  auto client = Client(vars, 4 << 20);
+  ASSERT_NE(client, nullptr);
+  Tensors init = Make(vars, 0.0f);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  stub_ = Stub(0);
+  for (uint64_t id : {91, 92}) {  // twice: the second push starts from -1
+    std::vector<PushRequest> msgs(4);
+    for (int m = 0; m < 3; ++m) {
+      AddSegment(&msgs[m], "big", m * kChunk, std::vector<float>(kChunk, 1.0f));
+    }
+    AddSegment(&msgs[3], "big", 3 * kChunk, {1, std::numeric_limits<float>::quiet_NaN()});
+    grpc::Status status = RawPush(msgs, id);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << status.error_message();
+    Tensors out = Make(vars, -99.0f);
+    ASSERT_TRUE(client->Pull(out.ptrs()).ok());
+    const float want = id == 91 ? -1.0f : -2.0f;
+    for (int64_t i = 0; i < 3 * kChunk + 16; ++i) {
+      ASSERT_EQ(out.data[0][i], i < 3 * kChunk ? want : 0.0f) << "element " << i;
+    }
+  }
+}
+
 TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
   struct Case {
     const char* what;
