@@ -92,8 +92,8 @@ class VariableStore::StripeLock {
  public:
   StripeLock(const Part& part, int64_t begin, int64_t end, bool exclusive)
       : part_(part),
-        first_(begin / Part::kStripeElements),
-        last_(end > begin ? (end - 1) / Part::kStripeElements : first_ - 1),
+        first_(begin / kLockStripeElements),
+        last_(end > begin ? (end - 1) / kLockStripeElements : first_ - 1),
         exclusive_(exclusive) {
     for (int64_t i = first_; i <= last_; ++i) {
       if (exclusive_) {
@@ -276,7 +276,7 @@ absl::Status VariableStore::Registration::AddValues(absl::string_view variable, 
                                                    "' must arrive in order: expected offset ",
                                                    p.received, ", got ", offset));
   }
-  StripeLock lock(part, offset, offset + count, /*exclusive=*/true);
+  // The part is this registration's own until Commit: no lock needed.
   std::memcpy(part.params.data() + offset, data, count * 4);
   p.received += count;
   return absl::OkStatus();

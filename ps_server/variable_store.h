@@ -94,25 +94,24 @@ class VariableStore {
 
  private:
   struct Part {
-    static constexpr int64_t kStripeElements = kLockStripeElements;
     explicit Part(PartDefinition d)
         : def(std::move(d)),
           num_elements(def.num_elements()),
-          num_stripes((num_elements + kStripeElements - 1) / kStripeElements),
+          num_stripes((num_elements + kLockStripeElements - 1) / kLockStripeElements),
           stripes(new absl::Mutex[static_cast<size_t>(num_stripes)]) {}
     const PartDefinition def;
     const int64_t num_elements;
     const int64_t num_stripes;
-    // stripes[i] guards elements [i * kStripeElements, (i + 1) *
-    // kStripeElements) of `params` and of every slot. Whoever holds several
+    // stripes[i] guards elements [i * kLockStripeElements, (i + 1) *
+    // kLockStripeElements) of `params` and of every slot. Whoever holds several
     // takes them in increasing order (StripeLock), so no two holders
     // deadlock. (Not expressible in thread annotations.)
     const std::unique_ptr<absl::Mutex[]> stripes;
     FloatBuffer params;
     std::vector<FloatBuffer> slots;
     // Pushes begun on this part; also the optimizer's step count for it. An
-    // atomic, so that a push takes its step without waiting for `mu` (which
-    // another push may hold while its optimizer runs).
+    // atomic, so that a push takes its step without waiting for a stripe
+    // (which another push may hold while its optimizer runs).
     std::atomic<int64_t> version{0};
   };
 

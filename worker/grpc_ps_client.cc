@@ -75,17 +75,23 @@ class PushEncoder {
   std::vector<grpc::Slice> slices_;  // the message so far
 };
 
+// Runs fn(i) for i in [0, n) in parallel (i = 0 on the calling thread) and
+// returns their statuses.
+std::vector<absl::Status> RunInParallel(int n, const std::function<absl::Status(int)>& fn) {
+  std::vector<absl::Status> results(n);
+  std::vector<std::thread> threads;
+  threads.reserve(n > 0 ? n - 1 : 0);
+  for (int i = 1; i < n; ++i) {
+    threads.emplace_back([&, i] { results[i] = fn(i); });
+  }
+  if (n > 0) results[0] = fn(0);
+  for (auto& t : threads) t.join();
+  return results;
+}
+
 // Runs fn(shard) for every shard, in parallel, and returns the first error.
 absl::Status ForEachShard(int num_shards, const std::function<absl::Status(int)>& fn) {
-  std::vector<absl::Status> results(num_shards);
-  std::vector<std::thread> threads;
-  threads.reserve(num_shards > 0 ? num_shards - 1 : 0);
-  for (int s = 1; s < num_shards; ++s) {
-    threads.emplace_back([&, s] { results[s] = fn(s); });
-  }
-  if (num_shards > 0) results[0] = fn(0);
-  for (auto& t : threads) t.join();
-  for (const absl::Status& status : results) {
+  for (const absl::Status& status : RunInParallel(num_shards, fn)) {
     if (!status.ok()) return status;
   }
   return absl::OkStatus();
@@ -98,7 +104,7 @@ class GrpcPsClient final : public PsClient {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
-      shard.conns.resize(std::max(1, options_.streams_per_shard));
+      shard.conns.resize(options_.streams_per_shard);  // 1 to 64, checked at creation
       for (size_t k = 0; k < shard.conns.size(); ++k) {
         Connection& c = shard.conns[k];
         grpc::ChannelArguments args;
@@ -131,6 +137,40 @@ class GrpcPsClient final : public PsClient {
         shard.by_name.emplace(plan_.variables()[part.variable_index].name, p);
       }
       shard.messages = PlanMessages(shard.parts);
+      for (int k = 0; k < NumStreams(s); ++k) BuildPullRequest(s, k);
+    }
+  }
+
+  // Connection k's pull of shard s: every part on one connection, else the
+  // elements of its share of the shard's messages, as ranges.
+  void BuildPullRequest(int s, int k) {
+    Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
+    PullRequest& request = conn.pull_request;
+    request.set_worker_id(options_.worker_id);
+    request.set_max_chunk_bytes(options_.max_chunk_bytes);
+    if (NumStreams(s) == 1) {
+      conn.pull_elements = ShardElements(s);
+      return;
+    }
+    const auto [begin, end] = StreamShare(s, k);
+    for (size_t i = begin; i < end; ++i) {
+      for (const SegmentRef& seg : shard.messages[i]) {
+        const std::string& name = plan_.variables()[plan_.parts()[seg.part].variable_index].name;
+        PullRange* last = request.ranges().empty()
+                              ? nullptr
+                              : request.mutable_ranges(request.ranges_size() - 1);
+        if (last != nullptr && last->variable() == name &&
+            last->offset() + last->count() == seg.offset) {
+          last->set_count(last->count() + seg.count);  // the same part, continued
+        } else {
+          PullRange* range = request.add_ranges();
+          range->set_variable(name);
+          range->set_offset(seg.offset);
+          range->set_count(seg.count);
+        }
+        conn.pull_elements += seg.count;
+      }
     }
   }
 
@@ -183,11 +223,9 @@ class GrpcPsClient final : public PsClient {
     std::vector<PullResult> results(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryCall(options_.retry, [&] {
-        const int streams = NumStreams(s);
-        if (streams == 1) return PullOnce(s, 0, 0, 0, values, &results[s]);
-        std::vector<PullResult> parts(streams);
-        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PullOnce(s, k, begin, end, values, &parts[k]);
+        std::vector<PullResult> parts(NumStreams(s));
+        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t) {
+          return PullOnce(s, k, values, &parts[k]);
         }));
         results[s] = CombineStreams(parts);
         return absl::OkStatus();
@@ -254,7 +292,7 @@ class GrpcPsClient final : public PsClient {
         }));
         int64_t total = 0;
         for (int k = 0; k < streams; ++k) total += received[k];
-        PSFLOW_RETURN_IF_ERROR(CheckReceived(s, total));
+        PSFLOW_RETURN_IF_ERROR(CheckReceived(s, total, ShardElements(s)));
         results[s] = CombineStreams(parts);
         return absl::OkStatus();
       });
@@ -288,6 +326,10 @@ class GrpcPsClient final : public PsClient {
     std::unique_ptr<grpc::internal::RpcMethod> pull_method;  // Pull with ByteBuffer messages
     PullBuffers push_pull_in;  // reused across calls
     PullBuffers pull_in;
+    // This connection's share of a pull (built once: no allocation per
+    // pull) and the elements it brings.
+    PullRequest pull_request;
+    int64_t pull_elements = 0;
   };
 
   // A run of one part's elements in a stream message.
@@ -336,21 +378,25 @@ class GrpcPsClient final : public PsClient {
     return static_cast<int>(std::min(shards_[s].conns.size(), shards_[s].messages.size()));
   }
 
+  // Stream k's share of shard s's messages: [first, second).
+  std::pair<size_t, size_t> StreamShare(int s, int k) const {
+    const size_t m = shards_[s].messages.size();
+    const size_t streams = static_cast<size_t>(NumStreams(s));
+    return {m * k / streams, m * (k + 1) / streams};
+  }
+
   // Runs fn(k, begin, end) for each stream k of a push to shard s, in
   // parallel, with messages [begin, end) of the shard's push. The first
   // error that a retry cannot cure wins, else the first error.
   absl::Status ForEachStream(int s, const std::function<absl::Status(int, size_t, size_t)>& fn) {
+    auto run = [&](int k) {
+      const auto [begin, end] = StreamShare(s, k);
+      return fn(k, begin, end);
+    };
     const int streams = NumStreams(s);
-    const size_t m = shards_[s].messages.size();
-    auto run = [&](int k) { return fn(k, m * k / streams, m * (k + 1) / streams); };
     if (streams == 1) return run(0);
-    std::vector<absl::Status> results(streams);
-    std::vector<std::thread> threads;
-    for (int k = 1; k < streams; ++k) threads.emplace_back([&, k] { results[k] = run(k); });
-    results[0] = run(0);
-    for (auto& t : threads) t.join();
     absl::Status first;
-    for (const absl::Status& r : results) {
+    for (const absl::Status& r : RunInParallel(streams, run)) {
       if (!r.ok() && !IsRetryable(r)) return r;
       if (first.ok()) first = r;
     }
@@ -514,8 +560,7 @@ class GrpcPsClient final : public PsClient {
     return n;
   }
 
-  absl::Status CheckReceived(int s, int64_t received) const {
-    const int64_t expected = ShardElements(s);
+  absl::Status CheckReceived(int s, int64_t received, int64_t expected) const {
     if (received == expected) return absl::OkStatus();
     return absl::DataLossError(absl::StrCat(shards_[s].name, " returned ", received, " of the ",
                                             expected, " elements this worker expects"));
@@ -539,41 +584,17 @@ class GrpcPsClient final : public PsClient {
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
-  // A pull from shard s on connection k: every part when begin == end,
-  // else the elements of the shard's messages [begin, end).
-  absl::Status PullOnce(int s, int k, size_t begin, size_t end, absl::Span<float* const> values,
-                        PullResult* result) {
+  // Connection k's pull of shard s (see BuildPullRequest).
+  absl::Status PullOnce(int s, int k, absl::Span<float* const> values, PullResult* result) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     grpc::ClientContext context;
     SetDeadline(&context);
-    PullRequest request;
-    request.set_worker_id(options_.worker_id);
-    request.set_max_chunk_bytes(options_.max_chunk_bytes);
-    int64_t expected = begin == end ? ShardElements(s) : 0;
-    for (size_t i = begin; i < end; ++i) {
-      for (const SegmentRef& seg : shard.messages[i]) {
-        const std::string& name = plan_.variables()[plan_.parts()[seg.part].variable_index].name;
-        PullRange* last = request.ranges().empty()
-                              ? nullptr
-                              : request.mutable_ranges(request.ranges_size() - 1);
-        if (last != nullptr && last->variable() == name &&
-            last->offset() + last->count() == seg.offset) {
-          last->set_count(last->count() + seg.count);  // the same part, continued
-        } else {
-          PullRange* range = request.add_ranges();
-          range->set_variable(name);
-          range->set_offset(seg.offset);
-          range->set_count(seg.count);
-        }
-        expected += seg.count;
-      }
-    }
     // What the generated stub does, reading raw ByteBuffers: each segment's
     // data is copied once, from gRPC's slices straight into the tensor.
     std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
         grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-            conn.channel.get(), *conn.pull_method, &context, request));
+            conn.channel.get(), *conn.pull_method, &context, conn.pull_request));
     int64_t received = 0;
     absl::Status bad = ReadValues(s, reader.get(), &conn.pull_in, values, result, &received);
     if (!bad.ok()) {
@@ -582,9 +603,7 @@ class GrpcPsClient final : public PsClient {
       return bad;
     }
     PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
-    if (received == expected) return absl::OkStatus();
-    return absl::DataLossError(absl::StrCat(shard.name, " returned ", received, " of the ",
-                                            expected, " elements this worker expects"));
+    return CheckReceived(s, received, conn.pull_elements);
   }
 
   // One stream of a PushPull to shard s (messages [begin, end) on
