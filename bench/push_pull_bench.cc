@@ -98,12 +98,15 @@ struct OpStats {
   double self_cpu_s = 0;      // this process (client or raw sender + receiver)
   double server_cpu_s = 0;    // the ps_server processes
   ThreadCpu self_threads, server_threads;  // the same, by thread name
+  double machine_busy_s = 0;  // every core's non-idle time (/proc/stat), summed
+  double wall_s = 0;          // the batches' wall time, for machine_busy_s
 };
 
 struct Timing {
   double median_s = 0, mean_s = 0;
   double self_cpu_s = 0, server_cpu_s = 0;  // per iteration
   ThreadCpu self_threads, server_threads;   // per iteration
+  double busy_cores = 0;  // the machine's busy cores while it ran (all processes)
 };
 
 Timing Summarize(const OpStats& s) {
@@ -117,6 +120,7 @@ Timing Summarize(const OpStats& s) {
   out.server_cpu_s = s.server_cpu_s / t.size();
   for (const auto& [name, cpu] : s.self_threads) out.self_threads[name] = cpu / t.size();
   for (const auto& [name, cpu] : s.server_threads) out.server_threads[name] = cpu / t.size();
+  if (s.wall_s > 0) out.busy_cores = s.machine_busy_s / s.wall_s;
   return out;
 }
 
@@ -171,6 +175,22 @@ std::string FormatThreadCpu(const ThreadCpu& cpu) {
   return out.empty() ? "-" : out;
 }
 
+// Non-idle seconds of all the machine's cores together since boot, from
+// /proc/stat (user, nice, system, irq, softirq, steal: everything but idle
+// and iowait). Unlike the processes' CPU clocks it includes the interrupt
+// and softirq time the kernel spends on loopback TCP, which, with IRQ time
+// accounting, is charged to no process. Jiffy resolution (10 ms): summed
+// over many batches it tells whether the cores were saturated. 0 if unknown.
+double MachineBusySeconds() {
+  std::ifstream stat("/proc/stat");
+  std::string cpu;
+  double v[8] = {};
+  if (!(stat >> cpu) || cpu != "cpu") return 0;
+  for (double& x : v) stat >> x;
+  const double busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];  // not idle (3), iowait (4)
+  return busy / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
 // CPU seconds (user + system, all threads) that process `pid` has used,
 // from its CPU-time clock (nanosecond resolution); 0 if unknown.
 double CpuSeconds(pid_t pid) {
@@ -193,11 +213,15 @@ void TimeBatch(int count, F fn, const std::vector<pid_t>& servers, OpStats* stat
   const ThreadCpu self_threads0 = ThreadCpuByName({getpid()});
   const ThreadCpu server_threads0 = ThreadCpuByName(servers);
   const double self0 = CpuSeconds(getpid()), server0 = CpuSeconds(servers);
+  const double busy0 = MachineBusySeconds();
+  const auto batch_start = Clock::now();
   for (int i = 0; i < count; ++i) {
     const auto start = Clock::now();
     fn();
     stats->times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
   }
+  stats->wall_s += std::chrono::duration<double>(Clock::now() - batch_start).count();
+  stats->machine_busy_s += MachineBusySeconds() - busy0;
   const double self_cpu = CpuSeconds(getpid()) - self0;
   const double server_cpu = CpuSeconds(servers) - server0;
   stats->self_cpu_s += self_cpu;
@@ -576,6 +600,9 @@ int main(int argc, char** argv) {
     std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
+    // How busy the whole machine was meanwhile (jiffies, so a coarse mean).
+    std::printf("       %s: machine busy %.2f of %ld cores\n", op, t.busy_cores,
+                sysconf(_SC_NPROCESSORS_ONLN));
     if (&t == &raw) return;
     // Where the CPU time went, by thread name (gRPC names its threads; ours
     // are ps_apply and ps_respond on the shard).
@@ -583,9 +610,11 @@ int main(int argc, char** argv) {
                 FormatThreadCpu(t.self_threads).c_str(), FormatThreadCpu(t.server_threads).c_str());
     std::printf("JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\",\"median_ms\":%.3f,"
                 "\"mean_ms\":%.3f,\"gbps\":%.3f,\"raw_gbps\":%.3f,\"ratio\":%.3f,"
-                "\"client_cpu_ms\":%.3f,\"server_cpu_ms\":%.3f,\"raw_cpu_ms\":%.3f}\n",
+                "\"client_cpu_ms\":%.3f,\"server_cpu_ms\":%.3f,\"raw_cpu_ms\":%.3f,"
+                "\"busy_cores\":%.2f}\n",
                 xport, shards.c_str(), op, t.median_s * 1e3, t.mean_s * 1e3, gbs, raw_gbs,
-                gbs / raw_gbs, t.self_cpu_s * 1e3, t.server_cpu_s * 1e3, raw.self_cpu_s * 1e3);
+                gbs / raw_gbs, t.self_cpu_s * 1e3, t.server_cpu_s * 1e3, raw.self_cpu_s * 1e3,
+                t.busy_cores);
   };
   for (bool unix_socket : {false, true}) {
     const char* name = unix_socket ? "unix" : "tcp";
