@@ -193,7 +193,7 @@ phase push_pull_bench 200 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --t
 # (whose workers waited 17-20 ms per step for an 11 MB push on this machine).
 phase push_pull_bench_2clients 90 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 \
   --transports=tcp --shards=2 --streams=1,4 --ops=push,pull --small_vars=false --clients=2
-{ echo "  2 clients at once, 2 shards:"; grep -E " (raw|push|pull) |by thread" \
+{ echo "  2 clients at once, 2 shards:"; grep -E " (raw|raw_opt|push|pull) |by thread|vs raw_opt" \
   "$LOG_DIR/push_pull_bench_2clients.log" | sed 's/^/    /'; } >>"$SUMMARY"
 # The one-shard push with the shard's settings varied: no applier threads
 # (apply on the reading thread), and one or eight messages of a push applied
@@ -202,7 +202,7 @@ for variant in --apply_threads=0 --apply_window=1 --apply_window=8; do
   name=push_pull_bench_$(echo "$variant" | tr -c 'a-z0-9\n' '_' | cut -c3-40)
   phase "$name" 90 "$BUILD_DIR/bench/push_pull_bench" --iterations=30 --transports=tcp \
     --shards=1 --streams=1,4 --ops=push --small_vars=false --ps_flags="$variant"
-  { echo "  ps_server $variant:"; grep -E " push " "$LOG_DIR/$name.log" | sed 's/^/    /'; } \
+  { echo "  ps_server $variant:"; grep -E " push |vs raw_opt" "$LOG_DIR/$name.log" | sed 's/^/    /'; } \
     >>"$SUMMARY"
 done
 grep -vE "^\s*$|^JSON" "$LOG_DIR/push_pull_bench.log" | sed 's/^/    /' >>"$SUMMARY"

@@ -32,6 +32,7 @@
 #include <csignal>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <cstdio>
 #include <cstring>
 #include <numeric>
@@ -45,8 +46,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/process_stats.h"
 #include "common/flags_usage.h"
+#include "common/float_buffer.h"
+#include "common/process_stats.h"
+#include "common/tensor_checks.h"
+#include "ps_server/optimizer.h"
 #include "worker/grpc_ps_client.h"
 
 ABSL_FLAG(std::string, ps_server, "", "Path of the ps_server binary (default: next to this one).");
@@ -80,6 +84,10 @@ ABSL_FLAG(std::string, netns, "",
           "limited with tc: an emulated network between client and shards. tcp only.");
 ABSL_FLAG(std::string, netns_ip, "", "The address of the namespace's end of the link.");
 ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
+ABSL_FLAG(bool, raw_opt, true,
+          "Also time raw_opt: the raw transfer with the push's work done on the plain socket "
+          "(the sender scans the gradient for NaN/Inf first; the receiver scans each chunk "
+          "and applies --optimizer to it as soon as it has arrived).");
 
 extern char** environ;
 
@@ -302,9 +310,18 @@ int SocketIn(const std::string& netns, int domain) {
 // A connected socket pair over loopback (TCP with TCP_NODELAY, or a unix
 // socket): Transfer() sends `bytes` one way into a reused buffer on a
 // receiver thread and waits for its 1-byte acknowledgement.
+//
+// With an optimizer it also does a push's work, as a hand-written protocol
+// with no RPC layer would: the sender scans the whole gradient for NaN/Inf
+// before sending (as the client does), and the receiver, on the thread that
+// reads the socket, scans each `chunk` bytes as soon as they have arrived
+// and applies the optimizer to them (as the shard does per message). What
+// is left between this and the push is what gRPC's structure costs.
 class RawLink {
  public:
-  RawLink(bool unix_socket, size_t bytes) : bytes_(bytes), data_(bytes, 7) {
+  RawLink(bool unix_socket, size_t bytes, const psflow::server::Optimizer* optimizer = nullptr,
+          size_t chunk = 0)
+      : bytes_(bytes), data_(bytes, 7), optimizer_(optimizer) {
     sockaddr_storage addr{};
     socklen_t len;
     if (unix_socket) {
@@ -331,15 +348,41 @@ class RawLink {
     if (::bind(listener_, reinterpret_cast<sockaddr*>(&addr), len) != 0) Die("bind failed");
     ::listen(listener_, 1);
     ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
-    receiver_ = std::thread([this] {
+    // Whole float32 values per chunk, at least one.
+    chunk = std::max<size_t>(4, chunk / 4 * 4);
+    receiver_ = std::thread([this, chunk] {
       int fd = ::accept(listener_, nullptr, nullptr);
       std::vector<char> buf(bytes_);  // reused, like the PS's buffers
+      // The optimizer's state, as on a shard.
+      const int64_t elements = static_cast<int64_t>(bytes_ / 4);
+      psflow::FloatBuffer params, slots[2];
+      std::vector<float*> slot_ptrs;
+      if (optimizer_ != nullptr) {
+        params = psflow::FloatBuffer(elements, 0.01f);
+        for (int i = 0; i < optimizer_->num_slots(); ++i) {
+          slots[i] = psflow::FloatBuffer(elements, optimizer_->slot_initial_value(i));
+          slot_ptrs.push_back(slots[i].data());
+        }
+      }
+      int64_t step = 0;
       while (true) {
-        size_t got = 0;
+        size_t got = 0, done = 0;  // done: bytes scanned and applied
+        ++step;
         while (got < bytes_) {
           const ssize_t r = ::recv(fd, buf.data() + got, bytes_ - got, 0);
           if (r <= 0) break;
           got += r;
+          // Every whole chunk that has arrived, and the rest at the end.
+          while (optimizer_ != nullptr && (got - done >= chunk || (got == bytes_ && done < got))) {
+            const size_t n = std::min(chunk, (got - done) / 4 * 4);
+            if (n == 0) break;
+            const int64_t first = static_cast<int64_t>(done / 4), count = static_cast<int64_t>(n / 4);
+            if (psflow::FirstNonFinite(buf.data() + done, count) >= 0) Die("raw_opt: NaN/Inf");
+            std::vector<float*> at;
+            for (float* p : slot_ptrs) at.push_back(p + first);
+            optimizer_->Apply(step, params.data() + first, at.data(), buf.data() + done, count);
+            done += n;
+          }
         }
         if (got < bytes_) break;  // the sender closed: done
         char ack = 1;
@@ -361,6 +404,9 @@ class RawLink {
     if (!path_.empty()) ::unlink(path_.c_str());
   }
   void Transfer() {
+    if (optimizer_ != nullptr && psflow::FirstNonFinite(data_.data(), bytes_ / 4) >= 0) {
+      Die("raw_opt: NaN/Inf in the gradient");
+    }
     WriteAll(fd_, data_.data(), bytes_);
     char ack;
     ReadAll(fd_, &ack, 1);
@@ -368,7 +414,8 @@ class RawLink {
 
  private:
   const size_t bytes_;
-  std::vector<char> data_;
+  std::vector<char> data_;  // each float is 0x07070707, about 1e-34: finite
+  const psflow::server::Optimizer* const optimizer_;
   int listener_ = -1, fd_ = -1;
   std::string path_;
   std::thread receiver_;
@@ -454,7 +501,7 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing raw, push, pull, push_pull;
+  Timing raw, raw_opt, push, pull, push_pull;
   std::vector<psflow::StatusResponse> status;
 };
 
@@ -463,7 +510,8 @@ struct Run {
 // round runs a batch of every operation in turn, so all of them see the
 // same state of this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
-             const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1) {
+             const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1,
+             RawLink* raw_opt = nullptr) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
@@ -534,20 +582,23 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   };
   for (int i = 0; i < warmup; ++i) {
     if (raw != nullptr) raw->Transfer();
+    if (raw_opt != nullptr) raw_opt->Transfer();
     if (do_push) push();
     if (do_pull) pull();
     if (do_push_pull) push_pull();
   }
-  OpStats raw_stats, push_stats, pull_stats, push_pull_stats;
+  OpStats raw_stats, raw_opt_stats, push_stats, pull_stats, push_pull_stats;
   for (int done = 0; done < iterations; done += batch) {
     const int n = std::min(batch, iterations - done);
     if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
+    if (raw_opt != nullptr) TimeBatch(n, [&] { raw_opt->Transfer(); }, {}, &raw_opt_stats);
     if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
     if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
     if (do_push_pull) TimeBatch(n, push_pull, cluster.pids, &push_pull_stats);
   }
   Run run;
   run.raw = Summarize(raw_stats);
+  run.raw_opt = Summarize(raw_opt_stats);
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
   run.push_pull = Summarize(push_pull_stats);
@@ -591,19 +642,27 @@ int main(int argc, char** argv) {
   std::printf("%-6s %-7s %-8s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op",
               "median_ms", "mean_ms", "GB/s", "vs_raw", "client_cpu_ms", "server_cpu_ms");
   const std::string transports = absl::GetFlag(FLAGS_transports);
+  // The shards' optimizer, for raw_opt.
+  psflow::server::OptimizerOptions optimizer_options;
+  auto kind = psflow::server::ParseOptimizerKind(absl::GetFlag(FLAGS_optimizer));
+  if (!kind.ok()) Die(std::string(kind.status().message()));
+  optimizer_options.kind = *kind;
+  auto optimizer = psflow::server::Optimizer::Create(optimizer_options);
+  if (!optimizer.ok()) Die(std::string(optimizer.status().message()));
   auto print = [&](const char* xport, const std::string& shards, const char* op,
                    const Timing& t, const Timing& raw) {
     if (t.median_s == 0) return;  // not run (--ops)
+    const bool raw_like = absl::StartsWith(op, "raw");  // raw and raw_opt: this process only
     // With --clients=N an operation moves the model N times.
-    const double moved = &t == &raw ? bytes : bytes * std::max(1, absl::GetFlag(FLAGS_clients));
+    const double moved = raw_like ? bytes : bytes * std::max(1, absl::GetFlag(FLAGS_clients));
     const double gbs = moved / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
     std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
-                &t == &raw ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
+                raw_like ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
     // How busy the whole machine was meanwhile (jiffies, so a coarse mean).
     std::printf("       %s: machine busy %.2f of %ld cores\n", op, t.busy_cores,
                 sysconf(_SC_NPROCESSORS_ONLN));
-    if (&t == &raw) return;
+    if (raw_like) return;
     // Where the CPU time went, by thread name (gRPC names its threads; ours
     // are ps_apply and ps_respond on the shard).
     std::printf("       %s CPU ms by thread: client %s; shards %s\n", op,
@@ -624,6 +683,11 @@ int main(int argc, char** argv) {
       continue;
     }
     RawLink raw(unix_socket, static_cast<size_t>(bytes));
+    std::unique_ptr<RawLink> raw_opt;
+    if (absl::GetFlag(FLAGS_raw_opt)) {
+      raw_opt = std::make_unique<RawLink>(unix_socket, static_cast<size_t>(bytes), optimizer->get(),
+                                          static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes)));
+    }
     for (const std::string& shards_text : absl::GetFlag(FLAGS_shards)) {
       for (const std::string& streams_text : absl::GetFlag(FLAGS_streams)) {
         int shards = 0, streams = 0;
@@ -637,8 +701,13 @@ int main(int argc, char** argv) {
         // split over 4 connections each.
         const std::string shard_flag =
             streams == 1 ? shards_text : absl::StrCat(shards, "x", streams);
-        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams);
+        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams, raw_opt.get());
         print(name, shard_flag, "raw", run.raw, run.raw);
+        print(name, shard_flag, "raw_opt", run.raw_opt, run.raw);
+        if (run.raw_opt.median_s > 0 && run.push.median_s > 0) {
+          // The push against the same work on a plain socket.
+          std::printf("       push vs raw_opt: %.2f\n", run.raw_opt.median_s / run.push.median_s);
+        }
         print(name, shard_flag, "push", run.push, run.raw);
         print(name, shard_flag, "pull", run.pull, run.raw);
         print(name, shard_flag, "pushpull", run.push_pull, run.raw);
