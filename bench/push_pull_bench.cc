@@ -360,13 +360,11 @@ class RawLink {
       std::vector<char> buf(bytes_);  // reused, like the PS's buffers
       // The optimizer's state, as on a shard.
       const int64_t elements = static_cast<int64_t>(bytes_ / 4);
-      psflow::FloatBuffer params, slots[2];
-      std::vector<float*> slot_ptrs;
+      psflow::FloatBuffer params, slots[2];  // Adam has the most slots: 2
       if (optimizer_ != nullptr) {
         params = psflow::FloatBuffer(elements, 0.01f);
         for (int i = 0; i < optimizer_->num_slots(); ++i) {
           slots[i] = psflow::FloatBuffer(elements, optimizer_->slot_initial_value(i));
-          slot_ptrs.push_back(slots[i].data());
         }
       }
       int64_t step = 0;
@@ -377,15 +375,17 @@ class RawLink {
           const ssize_t r = ::recv(fd, buf.data() + got, bytes_ - got, 0);
           if (r <= 0) break;
           got += r;
-          // Every whole chunk that has arrived, and the rest at the end.
-          while (optimizer_ != nullptr && (got - done >= chunk || (got == bytes_ && done < got))) {
-            const size_t n = std::min(chunk, (got - done) / 4 * 4);
-            if (n == 0) break;
+          if (optimizer_ == nullptr) continue;
+          // Every whole chunk that has arrived, and at the end the rest
+          // (whole floats: chunk and done are multiples of 4).
+          const size_t ready = got == bytes_ ? got / 4 * 4 : got - (got - done) % chunk;
+          while (done < ready) {
+            const size_t n = std::min(chunk, ready - done);
             const int64_t first = static_cast<int64_t>(done / 4), count = static_cast<int64_t>(n / 4);
             if (psflow::FirstNonFinite(buf.data() + done, count) >= 0) Die("raw_opt: NaN/Inf");
-            std::vector<float*> at;
-            for (float* p : slot_ptrs) at.push_back(p + first);
-            optimizer_->Apply(step, params.data() + first, at.data(), buf.data() + done, count);
+            float* at[2] = {};
+            for (int i = 0; i < optimizer_->num_slots(); ++i) at[i] = slots[i].data() + first;
+            optimizer_->Apply(step, params.data() + first, at, buf.data() + done, count);
             done += n;
           }
         }
