@@ -431,6 +431,8 @@ class PsServer::Service final : public grpc::Service {
             absl::StrCat("segment of '", seg.variable, "' has ", seg.data_bytes,
                          " bytes of data; expected a multiple of 4 (float32 values)"));
       }
+      // Before any arithmetic on the offset, which the client chose.
+      PSFLOW_RETURN_IF_ERROR(session->ValidateRange(seg.variable, seg.offset, seg.data_bytes / 4));
       int64_t element = seg.offset;
       char carry[4];
       size_t carried = 0;
@@ -461,7 +463,6 @@ class PsServer::Service final : public grpc::Service {
     first_piece[msg.num_segments] = pieces->size();
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
-      PSFLOW_RETURN_IF_ERROR(session->ValidateRange(seg.variable, seg.offset, seg.data_bytes / 4));
       for (size_t k = first_piece[i]; k < first_piece[i + 1]; ++k) {
         const GradPiece& piece = (*pieces)[k];
         PSFLOW_RETURN_IF_ERROR(

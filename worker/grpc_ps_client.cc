@@ -530,7 +530,7 @@ class GrpcPsClient final : public PsClient {
         const int64_t count = segment.data_bytes / 4;
         const Part& part = plan_.parts()[it->second];
         if (segment.data_bytes % 4 != 0 || segment.offset < 0 ||
-            segment.offset + count > part.num_elements()) {
+            count > part.num_elements() - segment.offset) {
           bad = absl::DataLossError(absl::StrCat(
               shard.name, " sent ", segment.data_bytes, " bytes at element ", segment.offset,
               " of '", segment.variable, "' whose part has ", part.num_elements(),
