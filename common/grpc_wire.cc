@@ -148,11 +148,25 @@ struct FieldTag {
   uint32_t type;
 };
 
+// Reads a tag as protobuf does: a varint of at most 5 bytes whose bits past
+// the 32nd are dropped.
 absl::Status ReadTag(Cursor* c, FieldTag* tag) {
   const uint64_t at = c->pos();
-  uint64_t raw;
-  if (absl::Status s = c->ReadVarint(&raw, "field tag"); !s.ok()) return s;
-  if (raw >> 3 == 0 || raw >> 3 > 0x1fffffff) {
+  uint32_t raw = 0;
+  for (int i = 0;; ++i) {
+    if (i == 5) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed message: field tag longer than 5 bytes at byte ", at));
+    }
+    uint8_t b;
+    if (!c->ReadByte(&b)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed message: truncated varint (field tag) at byte ", c->pos()));
+    }
+    raw |= static_cast<uint32_t>(b & 0x7f) << (7 * i);
+    if ((b & 0x80) == 0) break;
+  }
+  if (raw >> 3 == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("malformed message: invalid field number ", raw >> 3, " at byte ", at));
   }

@@ -11,7 +11,12 @@
 // (truncated varints or fields, lengths past the end, wrong wire types of
 // known fields, bad group nesting) is INVALID_ARGUMENT naming what was wrong
 // and where; it never reads outside the pieces. Unknown fields are skipped
-// as protobuf does.
+// as protobuf does. Otherwise it accepts exactly what protobuf's parser
+// accepts, with two differences: a known field of the wrong wire type is
+// refused (protobuf would keep it as an unknown field), and
+// Segment.variable is taken as bytes without proto3's UTF-8 check (a name
+// that is not UTF-8 matches no variable). grpc_wire_test compares the two
+// on randomly broken messages.
 #ifndef PSFLOW_COMMON_GRPC_WIRE_H_
 #define PSFLOW_COMMON_GRPC_WIRE_H_
 

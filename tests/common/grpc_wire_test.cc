@@ -3,9 +3,17 @@
 #include "common/grpc_wire.h"
 
 #include <cstring>
+#include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/descriptor.pb.h"
+#include "google/protobuf/dynamic_message.h"
 #include "gtest/gtest.h"
 #include "psflow.pb.h"
 
@@ -176,6 +184,7 @@ TEST(GrpcWireTest, MalformedInputIsInvalidArgument) {
       {"request_id as varint", std::string("\x0a\x02\x20\x01", 4), "request_id", false},
       {"invalid wire type 7", std::string("\x0f", 1), "invalid wire type"},
       {"field number 0", std::string("\x02\x00", 2), "invalid field number"},
+      {"tag over 5 bytes", std::string("\x88\x80\x80\x80\x80\x00", 6), "longer than 5 bytes"},
       {"stray end group", std::string("\x2c", 1), "end of group"},
       {"unterminated group", std::string("\x2b\x08\x01", 3), "unterminated group"},
       {"mismatched group end", std::string("\x2b\x34", 2), "closed by end of group"},
@@ -211,6 +220,256 @@ TEST(GrpcWireTest, EveryTruncationOfAValidMessageIsRefusedOrAPrefix) {
     const absl::Status ours = DecodePush(cut);
     EXPECT_EQ(ours.ok(), protobuf_ok) << "cut at " << n << ": " << ours;
   }
+}
+
+// ---- Randomized comparison with the generated parser ----
+
+// A valid message of `kind` with random contents, serialized by protobuf.
+std::string RandomMessage(MessageKind kind, std::mt19937_64& rng) {
+  auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
+  auto random_i64 = [&]() -> int64_t {
+    switch (pick(4)) {
+      case 0: return 0;
+      case 1: return static_cast<int64_t>(pick(300));
+      case 2: return -static_cast<int64_t>(pick(1000));
+      default: return static_cast<int64_t>(rng());
+    }
+  };
+  auto fill = [&](Segment* s) {
+    std::string name(pick(12), 'a');
+    for (char& ch : name) ch = static_cast<char>('a' + pick(26));
+    s->set_variable(name);
+    s->set_offset(random_i64());
+    std::string data(pick(40), '\0');
+    for (char& ch : data) ch = static_cast<char>(rng());
+    s->set_data(data);
+  };
+  if (kind == MessageKind::kPushRequest) {
+    PushRequest m;
+    if (pick(4) != 0) {
+      m.mutable_header()->set_worker_id(static_cast<int32_t>(random_i64()));
+      m.mutable_header()->set_step(random_i64());
+      m.mutable_header()->set_read_version(random_i64());
+      m.mutable_header()->set_request_id(rng());
+    }
+    for (uint64_t i = pick(4); i > 0; --i) fill(m.add_segments());
+    return m.SerializeAsString();
+  }
+  PullResponse m;
+  for (uint64_t i = pick(4); i > 0; --i) {
+    fill(m.add_segments());
+    m.add_versions(random_i64());
+  }
+  return m.SerializeAsString();
+}
+
+// Changes `bytes` in one of the ways a broken or hostile peer might.
+void Mutate(std::string* bytes, std::mt19937_64& rng) {
+  auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
+  // Bytes that mean something to the format: continuation bits, the tags
+  // of known fields with every wire type, group starts and ends, lengths.
+  static const char kInteresting[] = {'\x80', '\xff', '\x7f', '\x00', '\x01', '\x08', '\x09',
+                                      '\x0a', '\x0b', '\x0c', '\x10', '\x11', '\x12', '\x13',
+                                      '\x14', '\x15', '\x18', '\x1a', '\x21', '\x2b', '\x2c'};
+  auto random_byte = [&] {
+    return pick(2) == 0 ? kInteresting[pick(sizeof(kInteresting))] : static_cast<char>(rng());
+  };
+  const size_t n = bytes->size();
+  switch (pick(7)) {
+    case 0:  // flip a bit
+      if (n > 0) (*bytes)[pick(n)] ^= static_cast<char>(1 << pick(8));
+      break;
+    case 1:  // overwrite a byte
+      if (n > 0) (*bytes)[pick(n)] = random_byte();
+      break;
+    case 2: {  // insert bytes
+      std::string ins(1 + pick(3), '\0');
+      for (char& ch : ins) ch = random_byte();
+      bytes->insert(pick(n + 1), ins);
+      break;
+    }
+    case 3:  // delete a range
+      if (n > 0) {
+        const size_t at = pick(n);
+        bytes->erase(at, 1 + pick(std::min<size_t>(n - at, 8)));
+      }
+      break;
+    case 4:  // truncate
+      bytes->resize(pick(n + 1));
+      break;
+    case 5: {  // insert a run of continuation bytes: long varints and tags
+      std::string ins(1 + pick(12), '\0');
+      for (char& ch : ins) ch = static_cast<char>(0x80 | pick(2) * rng());
+      bytes->insert(pick(n + 1), ins);
+      break;
+    }
+    default:  // repeat a range
+      if (n > 0) {
+        const size_t at = pick(n);
+        const std::string copy = bytes->substr(at, 1 + pick(std::min<size_t>(n - at, 16)));
+        bytes->insert(pick(n + 1), copy);
+      }
+      break;
+  }
+}
+
+// Splits `bytes` at random points, empty pieces included, as gRPC's slices
+// might.
+std::vector<absl::string_view> RandomPieces(const std::string& bytes, std::mt19937_64& rng) {
+  auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
+  std::vector<absl::string_view> out;
+  const absl::string_view all(bytes);
+  const size_t max_piece = pick(2) == 0 ? 1 + pick(4) : 1 + pick(bytes.size() + 1);
+  for (size_t at = 0; at < bytes.size();) {
+    const size_t len = pick(max_piece + 1);  // 0: an empty piece
+    out.push_back(all.substr(at, len));
+    at += std::min(len, bytes.size() - at);
+  }
+  if (pick(8) == 0) out.push_back(absl::string_view());
+  return out;
+}
+
+// Every run of decoded data lies inside one of the pieces.
+bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::string_view> pieces) {
+  for (size_t i = 0; i < m.num_segments; ++i) {
+    const DecodedSegment& s = m.segments[i];
+    int64_t total = 0;
+    for (size_t r = s.first_run; r < s.first_run + s.num_runs; ++r) {
+      if (r >= m.data_runs.size()) return false;
+      const absl::string_view run = m.data_runs[r];
+      bool inside = false;
+      for (absl::string_view p : pieces) {
+        inside = inside || (run.data() >= p.data() && run.data() + run.size() <= p.data() + p.size());
+      }
+      if (!inside) return false;
+      total += static_cast<int64_t>(run.size());
+    }
+    if (total != s.data_bytes) return false;
+  }
+  return true;
+}
+
+// protobuf's parser for psflow.proto with Segment.variable declared `bytes`
+// instead of `string`: the same wire format, without proto3's UTF-8 check,
+// which this decoder leaves to the variable lookup (no variable has a name
+// that is not UTF-8, so such a segment is NOT_FOUND).
+std::unique_ptr<google::protobuf::Message> NewBytesVariant(MessageKind kind) {
+  using google::protobuf::DescriptorPool;
+  using google::protobuf::DynamicMessageFactory;
+  static DescriptorPool* const pool = [] {
+    google::protobuf::FileDescriptorProto file;
+    PushRequest::descriptor()->file()->CopyTo(&file);
+    for (google::protobuf::DescriptorProto& m : *file.mutable_message_type()) {
+      for (google::protobuf::FieldDescriptorProto& f : *m.mutable_field()) {
+        if (m.name() == "Segment" && f.name() == "variable") {
+          f.set_type(google::protobuf::FieldDescriptorProto::TYPE_BYTES);
+        }
+      }
+    }
+    auto* built = new DescriptorPool();
+    EXPECT_NE(built->BuildFile(file), nullptr);
+    return built;
+  }();
+  static DynamicMessageFactory* const factory = new DynamicMessageFactory(pool);
+  const google::protobuf::Descriptor* type = pool->FindMessageTypeByName(
+      kind == MessageKind::kPushRequest ? "psflow.PushRequest" : "psflow.PullResponse");
+  return std::unique_ptr<google::protobuf::Message>(factory->GetPrototype(type)->New());
+}
+
+// Field `name` of `m`, read through reflection.
+const google::protobuf::FieldDescriptor* Field(const google::protobuf::Message& m,
+                                               const char* name) {
+  return m.GetDescriptor()->FindFieldByName(name);
+}
+
+// Compares what this decoder made of `bytes` with what protobuf's parser
+// makes of them; empty when they agree, else what differs.
+std::string Compare(MessageKind kind, const std::string& bytes,
+                    absl::Span<const absl::string_view> pieces) {
+  DecodedMessage ours;
+  const absl::Status status = Decode(kind, pieces, &ours);
+  std::unique_ptr<google::protobuf::Message> theirs = NewBytesVariant(kind);
+  const bool protobuf_ok = theirs->ParseFromString(bytes);
+  if (!status.ok()) {
+    if (status.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::StrCat("error of the wrong code: ", status.ToString());
+    }
+    // The one deliberate difference: protobuf keeps a known field of the
+    // wrong wire type as an unknown field, this decoder refuses it.
+    if (protobuf_ok && status.message().find("has wire type") == absl::string_view::npos) {
+      return absl::StrCat("protobuf parses it but the decoder says: ", status.ToString());
+    }
+    return "";
+  }
+  if (!RunsInsidePieces(ours, pieces)) return "a data run lies outside the pieces";
+  if (!protobuf_ok) return "the decoder accepts what protobuf refuses";
+  const google::protobuf::Reflection& r = *theirs->GetReflection();
+  const google::protobuf::FieldDescriptor* segments = Field(*theirs, "segments");
+  if (static_cast<int>(ours.num_segments) != r.FieldSize(*theirs, segments)) {
+    return absl::StrCat(ours.num_segments, " segments, protobuf ",
+                        r.FieldSize(*theirs, segments));
+  }
+  for (size_t i = 0; i < ours.num_segments; ++i) {
+    const DecodedSegment& s = ours.segments[i];
+    const google::protobuf::Message& t =
+        r.GetRepeatedMessage(*theirs, segments, static_cast<int>(i));
+    const google::protobuf::Reflection& tr = *t.GetReflection();
+    const std::string variable = tr.GetString(t, Field(t, "variable"));
+    const int64_t offset = tr.GetInt64(t, Field(t, "offset"));
+    const std::string data = tr.GetString(t, Field(t, "data"));
+    if (s.variable != variable || s.offset != offset || Data(ours, s) != data) {
+      return absl::StrCat("segment ", i, " differs: '", absl::CHexEscape(s.variable), "' at ",
+                          s.offset, " with ", s.data_bytes, " bytes; protobuf: '",
+                          absl::CHexEscape(variable), "' at ", offset, " with ", data.size());
+    }
+  }
+  if (kind == MessageKind::kPushRequest) {
+    const google::protobuf::FieldDescriptor* header = Field(*theirs, "header");
+    const google::protobuf::Message& h = r.GetMessage(*theirs, header);
+    const google::protobuf::Reflection& hr = *h.GetReflection();
+    if (ours.has_header != r.HasField(*theirs, header) ||
+        ours.header.worker_id != hr.GetInt32(h, Field(h, "worker_id")) ||
+        ours.header.step != hr.GetInt64(h, Field(h, "step")) ||
+        ours.header.read_version != hr.GetInt64(h, Field(h, "read_version")) ||
+        ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id"))) {
+      return "the header differs";
+    }
+  } else {
+    const google::protobuf::FieldDescriptor* versions = Field(*theirs, "versions");
+    std::vector<int64_t> expected;
+    for (int i = 0; i < r.FieldSize(*theirs, versions); ++i) {
+      expected.push_back(r.GetRepeatedInt64(*theirs, versions, i));
+    }
+    if (ours.versions != expected) return "the versions differ";
+  }
+  return "";
+}
+
+void FuzzAgainstProtobuf(MessageKind kind, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  int refused = 0;
+  constexpr int kCases = 20000;
+  for (int i = 0; i < kCases; ++i) {
+    std::string bytes = RandomMessage(kind, rng);
+    for (uint64_t m = 1 + rng() % 3; m > 0; --m) Mutate(&bytes, rng);
+    const std::vector<absl::string_view> pieces = RandomPieces(bytes, rng);
+    const std::string diff = Compare(kind, bytes, pieces);
+    ASSERT_EQ(diff, "") << "case " << i << " of seed " << seed << ", " << pieces.size()
+                        << " pieces: \"" << absl::CHexEscape(bytes) << "\"";
+    DecodedMessage out;
+    refused += !Decode(kind, pieces, &out).ok();
+  }
+  // The mutations must reach both outcomes, or the comparison proves little.
+  EXPECT_GT(refused, kCases / 10);
+  EXPECT_LT(refused, kCases * 9 / 10);
+}
+
+TEST(GrpcWireTest, MutatedPushRequestsDecodeAsProtobufParsesThem) {
+  FuzzAgainstProtobuf(MessageKind::kPushRequest, 1);
+}
+
+TEST(GrpcWireTest, MutatedPullResponsesDecodeAsProtobufParsesThem) {
+  FuzzAgainstProtobuf(MessageKind::kPullResponse, 2);
 }
 
 }  // namespace
