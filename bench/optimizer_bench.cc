@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "benchmark/benchmark.h"
+#include "common/kernel_clones.h"
 #include "ps_server/optimizer.h"
 
 namespace psflow::server {
@@ -87,9 +88,9 @@ std::pair<int64_t, int64_t> Slice(const benchmark::State& state, int64_t n) {
   return {edge(i), edge(i + 1)};
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void Triad(
-    float* __restrict a, const float* __restrict b, const float* __restrict c, int64_t n,
-    float s) {
+PSFLOW_KERNEL_CLONES
+void Triad(float* __restrict a, const float* __restrict b, const float* __restrict c, int64_t n,
+           float s) {
   for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "common/kernel_clones.h"
 
 namespace psflow::server {
 namespace {
@@ -30,9 +31,6 @@ inline float LoadFloat(const char* g, int64_t i) {
   std::memcpy(&x, g + 4 * i, 4);
   return x;
 }
-
-#define PSFLOW_KERNEL_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 PSFLOW_KERNEL_CLONES
 void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
