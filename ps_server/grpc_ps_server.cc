@@ -480,6 +480,13 @@ class PsServer::Service final : public grpc::Service {
                              char* const* read_back = nullptr, int64_t* versions = nullptr) {
     for (size_t i = 0; i < msg.num_segments; ++i) {
       const wire::DecodedSegment& seg = msg.segments[i];
+      if (versions != nullptr && prepared.first_piece[i] == prepared.first_piece[i + 1]) {
+        // An empty segment changes nothing but is still answered with its
+        // part's version.
+        PSFLOW_RETURN_IF_ERROR(session->Apply(seg.variable, seg.offset, nullptr, 0,
+                                              /*values_checked=*/true, nullptr,
+                                              &versions[i]));
+      }
       for (size_t k = prepared.first_piece[i]; k < prepared.first_piece[i + 1]; ++k) {
         const GradPiece& piece = prepared.pieces[k];
         char* out = read_back == nullptr ? nullptr
@@ -617,6 +624,14 @@ class PsServer::Service final : public grpc::Service {
           break;
         }
         for (size_t i = 0; i < msg.num_segments; ++i) bytes_sent_ += msg.segments[i].data_bytes;
+      } else {
+        // A message without segments is answered too (by an empty
+        // PullResponse), so that the n-th answer is always the n-th message's.
+        grpc::Slice empty;
+        if (!writer.Send(grpc::ByteBuffer(&empty, 1))) {
+          status = absl::CancelledError("PushPull: the client went away");
+          break;
+        }
       }
       absl::StatusOr<bool> more = ReadPush(stream, &m);
       if (!more.ok()) status = more.status();

@@ -372,7 +372,10 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(
       *part, offset, data, count,
       !values_checked && !store_->options_.allow_non_finite_gradients));
-  if (count == 0) return absl::OkStatus();
+  if (count == 0) {
+    if (version != nullptr) *version = part->version.load();
+    return absl::OkStatus();
+  }
   // Claim the elements of [offset, offset + count) that this request id has
   // not applied yet, after any other session of the id has finished with
   // overlapping ones; then update them outside the entry's lock.
