@@ -75,6 +75,8 @@ class Model {
              int64_t* skipped, std::vector<int64_t>* versions) {
     for (const SentSegment& s : msg) {
       std::vector<bool>& done = Done(id, s.var);
+      // The part steps with the first element the id applies to it.
+      const bool stepped = std::find(done.begin(), done.end(), true) != done.end();
       bool any = false;
       for (size_t i = 0; i < s.values.size(); ++i) {
         const size_t e = static_cast<size_t>(s.offset) + i;
@@ -87,7 +89,7 @@ class Model {
         ++*applied;
         any = true;
       }
-      if (any && stepped_[id].insert(s.var).second) ++versions_[s.var];
+      if (any && !stepped) ++versions_[s.var];
       versions->push_back(versions_[s.var]);
     }
   }
@@ -107,7 +109,6 @@ class Model {
   std::vector<std::vector<float>> values_;
   std::vector<int64_t> versions_;
   std::map<uint64_t, std::vector<std::vector<bool>>> done_;
-  std::map<uint64_t, std::set<int>> stepped_;
 };
 
 class PushModelTest : public ::testing::TestWithParam<int> {
