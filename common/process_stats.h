@@ -1,8 +1,10 @@
-// Process-level numbers the servers report: resident memory.
+// Process-level numbers the servers report and respect: resident memory and
+// the memory this process may use.
 #ifndef PSFLOW_COMMON_PROCESS_STATS_H_
 #define PSFLOW_COMMON_PROCESS_STATS_H_
 
 #include <cstdint>
+#include <string>
 
 namespace psflow {
 
@@ -11,11 +13,23 @@ namespace psflow {
 int64_t ResidentBytes();
 // Peak resident set size in bytes (getrusage); 0 if unknown.
 int64_t PeakResidentBytes();
+// The most memory this process may use, in bytes: the smaller of the
+// machine's RAM and the memory limit of the process's cgroup (cgroup v2
+// `memory.max`, or v1 `memory.limit_in_bytes`; a container's or Kubernetes
+// pod's limit). 0 if neither is known.
+int64_t MemoryLimitBytes();
 // Keeps large freed buffers in the heap instead of returning them to the OS,
 // so message-sized allocations on the hot path do not page-fault afresh each
 // time (first touch costs ~12 us per 4 KiB page on these machines), and keeps
 // one malloc arena. Call once at the start of main, before any thread starts.
 void TuneAllocatorForLargeMessages();
+
+namespace internal {
+// The cgroup memory limit found under `cgroup_root` (normally /sys/fs/cgroup)
+// for a process whose /proc/self/cgroup reads `proc_self_cgroup`; 0 if there
+// is none. Exposed for tests.
+int64_t CgroupMemoryLimit(const std::string& proc_self_cgroup, const std::string& cgroup_root);
+}  // namespace internal
 
 }  // namespace psflow
 

@@ -63,6 +63,11 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "experiments, e.g. grpc.experimental.tcp_min_read_chunk_size=262144).");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
           "Largest tensor data accepted in one stream message, and the largest sent in a Pull.");
+ABSL_FLAG(int64_t, max_variable_bytes, 0,
+          "Most bytes of parameters and optimizer slots this shard holds; a registration "
+          "beyond it is refused with RESOURCE_EXHAUSTED before anything is allocated (0 = the "
+          "machine's memory, or the limit of this process's cgroup (container, Kubernetes pod) "
+          "where lower; -1 = no limit).");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,
           "Accept gradients containing NaN or Inf (rejected with INVALID_ARGUMENT by default).");
 
@@ -98,6 +103,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.initial_accumulator_value = static_cast<float>(absl::GetFlag(FLAGS_initial_accumulator_value));
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
+  options.store.max_variable_bytes = absl::GetFlag(FLAGS_max_variable_bytes);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
   options.apply_window = absl::GetFlag(FLAGS_apply_window);

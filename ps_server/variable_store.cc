@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <new>
 #include <utility>
 
 #include "absl/container/inlined_vector.h"
@@ -10,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "common/float_buffer.h"
+#include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "common/tensor_checks.h"
 
@@ -23,11 +25,20 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 absl::Status ValidateDefinition(const PartDefinition& def) {
   if (def.variable.empty()) return absl::InvalidArgumentError("a part has an empty variable name");
+  // Every count derived from the shape (elements, bytes with the optimizer's
+  // slots) must fit in 64 bits: at most 2^56 elements.
+  constexpr int64_t kMaxElements = int64_t{1} << 56;
+  int64_t elements = 1;
   for (int64_t d : def.variable_shape) {
     if (d <= 0) {
       return absl::InvalidArgumentError(absl::StrCat("variable '", def.variable, "' has shape ",
                                                      ShapeString(def.variable_shape),
                                                      "; every dimension must be positive"));
+    }
+    if (__builtin_mul_overflow(elements, d, &elements) || elements > kMaxElements) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "variable '", def.variable, "' has shape ", ShapeString(def.variable_shape),
+          "; expected at most 2^56 elements"));
     }
   }
   const int64_t rows = def.variable_shape.empty() ? 1 : def.variable_shape[0];
@@ -155,16 +166,26 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
 
 VariableStore::VariableStore(const VariableStoreOptions& options,
                              std::unique_ptr<Optimizer> optimizer)
-    : options_(options), optimizer_(std::move(optimizer)) {}
+    : options_(options),
+      optimizer_(std::move(optimizer)),
+      max_variable_bytes_(options.max_variable_bytes > 0    ? options.max_variable_bytes
+                          : options.max_variable_bytes == 0 ? MemoryLimitBytes()
+                                                            : 0) {}
 
 VariableStore::~VariableStore() = default;
 
 std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition& def) const {
-  auto part = std::make_unique<Part>(def);  // not shared yet: no lock needed
-  part->params = FloatBuffer(part->num_elements);
+  // The buffers first: if memory runs out, it does so before the part's
+  // lock stripes are built.
+  const int64_t n = def.num_elements();
+  FloatBuffer params(n);
+  std::vector<FloatBuffer> slots;
   for (int i = 0; i < optimizer_->num_slots(); ++i) {
-    part->slots.emplace_back(part->num_elements, optimizer_->slot_initial_value(i));
+    slots.emplace_back(n, optimizer_->slot_initial_value(i));
   }
+  auto part = std::make_unique<Part>(def);  // not shared yet: no lock needed
+  part->params = std::move(params);
+  part->slots = std::move(slots);
   return part;
 }
 
@@ -227,6 +248,12 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
         "same order)"));
   }
   auto reg = std::unique_ptr<Registration>(new Registration(this));
+  // First check every definition and find the new parts; nothing is
+  // allocated before the whole header has passed.
+  std::vector<const PartDefinition*> new_parts;
+  // Bytes per element of a part: its parameter and the optimizer's slots.
+  const int64_t element_bytes = 4 * (1 + optimizer_->num_slots());
+  int64_t new_bytes = 0;
   for (PartDefinition& def : parts) {
     def.plan_fingerprint = plan_fingerprint;
     PSFLOW_RETURN_IF_ERROR(ValidateDefinition(def));
@@ -234,7 +261,6 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
       return absl::InvalidArgumentError(
           absl::StrCat("variable '", def.variable, "' appears twice in one registration"));
     }
-    Registration::Pending pending;
     bool exists = false;
     {
       absl::ReaderMutexLock lock(&parts_mu_);
@@ -250,9 +276,45 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
         exists = true;
       }
     }
-    const std::string name = def.variable;
-    if (!exists) pending.part = NewPart(def);  // allocated outside the table lock
-    reg->pending_.emplace(name, std::move(pending));
+    reg->pending_.emplace(def.variable, Registration::Pending{});
+    if (exists) continue;
+    new_parts.push_back(&def);
+    // ValidateDefinition bounds a part by 2^56 elements, so none of this
+    // overflows until a header lists thousands of such parts.
+    if (__builtin_add_overflow(new_bytes, def.num_elements() * element_bytes, &new_bytes)) {
+      new_bytes = INT64_MAX;
+    }
+  }
+  if (max_variable_bytes_ > 0 && !new_parts.empty()) {
+    const int64_t held = parameter_bytes_.load() / 4 * element_bytes;
+    if (new_bytes > max_variable_bytes_ - std::min(held, max_variable_bytes_)) {
+      const PartDefinition& largest = **std::max_element(
+          new_parts.begin(), new_parts.end(), [](const PartDefinition* a, const PartDefinition* b) {
+            return a->num_elements() < b->num_elements();
+          });
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "registering ", new_parts.size(), " new part(s) (the largest ", largest.DebugString(),
+          ") needs ", new_bytes, " bytes of parameters and optimizer slots (", element_bytes,
+          " per element with ", optimizer_->DebugString(), ") on ps shard ",
+          options_.shard_index, ", which holds ", held, " and may hold at most ",
+          max_variable_bytes_,
+          " (--max_variable_bytes; by default the machine's memory or its cgroup's limit); "
+          "nothing was registered. Use more ps shards, or check the model's shapes"));
+    }
+  }
+  for (const PartDefinition* def : new_parts) {
+    // Allocated outside the table lock. The limit above stops what no
+    // machine of this size could hold; an allocation can still fail (when
+    // the limit is off, or the address space runs out), and that must not
+    // end the call with gRPC's uninformative UNKNOWN.
+    try {
+      reg->pending_[def->variable].part = NewPart(*def);
+    } catch (const std::bad_alloc&) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "ps shard ", options_.shard_index, " could not allocate ",
+          def->num_elements() * element_bytes, " bytes for ", def->DebugString(),
+          "; nothing was registered"));
+    }
   }
   return reg;
 }

@@ -39,6 +39,13 @@ struct VariableStoreOptions {
   int64_t max_chunk_bytes = 4 << 20;
   // Push request ids remembered for exactly-once retries.
   int request_ledger_size = 8192;
+  // The most bytes of parameters and optimizer slots this shard holds. A
+  // registration whose new parts would take it beyond that is refused with
+  // RESOURCE_EXHAUSTED before anything is allocated (a malformed or mistaken
+  // shape must not make the server allocate, or touch, more than the
+  // machine has). 0: MemoryLimitBytes() (the machine's RAM, or the limit of
+  // the process's cgroup where that is lower); negative: no limit.
+  int64_t max_variable_bytes = 0;
 };
 
 // offset + count for error messages, without overflow on hostile input.
@@ -256,6 +263,7 @@ class VariableStore {
   std::atomic<int64_t> duplicate_elements_{0};
   std::atomic<int64_t> rejected_requests_{0};
   std::atomic<int64_t> parameter_bytes_{0};
+  int64_t max_variable_bytes_ = 0;  // resolved from the options; 0 = no limit
 };
 
 }  // namespace psflow::server

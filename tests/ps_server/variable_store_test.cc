@@ -14,6 +14,13 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+// An allocation no machine can serve returns null (and FloatBuffer throws
+// std::bad_alloc) instead of ending the test: ShapesBeyondTheMachineAreRefused
+// checks that the store turns that into an error.
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }
+#endif
+
 namespace psflow::server {
 namespace {
 
@@ -119,6 +126,63 @@ TEST(VariableStoreTest, BadDefinitionsAreInvalidArgument) {
       absl::StatusCode::kInvalidArgument);
   auto wrong_shard = store->BeginRegistration(7, 2, 1, {Def("w", {4}, 0, 4)});
   EXPECT_EQ(wrong_shard.status().code(), absl::StatusCode::kFailedPrecondition);
+  // Element counts that overflow 64 bits, or come near it.
+  const int64_t big = int64_t{1} << 40;
+  for (const auto& shape : std::vector<std::vector<int64_t>>{
+           {big, big}, {1 << 20, 1 << 20, 1 << 17}, {3, std::numeric_limits<int64_t>::max()}}) {
+    auto huge = store->BeginRegistration(7, 1, 0, {Def("h", shape, 0, 1)});
+    EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(huge.status().message(), HasSubstr("expected at most 2^56 elements"));
+  }
+  EXPECT_TRUE(store->ListParts().empty());
+}
+
+// A registration that needs more memory than the shard may hold is refused
+// before anything is allocated, naming the part and the bytes.
+TEST(VariableStoreTest, RegistrationBeyondTheMemoryLimitIsResourceExhausted) {
+  VariableStoreOptions options;  // Adam: 12 bytes per element with its two slots
+  options.max_variable_bytes = 12 * 100;
+  auto store = VariableStore::Create(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  RegisterFilled(store->get(), Def("w", {60}, 0, 60), 1.0f);
+  auto over = (*store)->BeginRegistration(7, 1, 0, {Def("b", {41}, 0, 41)});
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(), HasSubstr("b [41]"));
+  EXPECT_THAT(over.status().message(), HasSubstr("needs 492 bytes"));
+  EXPECT_THAT(over.status().message(), HasSubstr("holds 720 and may hold at most 1200"));
+  ASSERT_EQ((*store)->ListParts().size(), 1u);
+  // What is already held counts once: re-registering it is fine, and so is
+  // a new part that just fits.
+  auto fits = (*store)->BeginRegistration(7, 1, 0, {Def("w", {60}, 0, 60), Def("b", {40}, 0, 40)});
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  std::vector<float> zeros(40, 0.0f);
+  ASSERT_TRUE((*fits)->AddValues("b", 0, zeros.data(), 40).ok());
+  ASSERT_TRUE((*fits)->Commit().ok());
+  EXPECT_EQ((*store)->ListParts().size(), 2u);
+  EXPECT_EQ((*store)->BeginRegistration(7, 1, 0, {Def("c", {1}, 0, 1)}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
+// By default the limit is the machine's memory: a shape no machine can hold
+// is refused, not allocated (it used to end the server with bad_alloc, or
+// page in memory until the kernel killed it). With no limit at all, the
+// failed allocation is still an error, not the end of the server.
+TEST(VariableStoreTest, ShapesBeyondTheMachineAreRefused) {
+  auto store = SgdStore();
+  const int64_t rows = int64_t{1} << 47;  // 512 TiB of float32
+  auto huge = store->BeginRegistration(7, 1, 0, {Def("huge", {rows}, 0, rows)});
+  ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(huge.status().message(), HasSubstr("huge ["));
+  EXPECT_THAT(huge.status().message(), HasSubstr("--max_variable_bytes"));
+
+  VariableStoreOptions options;
+  options.max_variable_bytes = -1;
+  auto unlimited = VariableStore::Create(options);
+  ASSERT_TRUE(unlimited.ok()) << unlimited.status();
+  auto failed = (*unlimited)->BeginRegistration(7, 1, 0, {Def("huge", {rows}, 0, rows)});
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(failed.status().message(), HasSubstr("could not allocate"));
+  EXPECT_TRUE((*unlimited)->ListParts().empty());
 }
 
 TEST(VariableStoreTest, PushAppliesTheOptimizerAndCountsVersions) {

@@ -1,0 +1,73 @@
+// The memory limit a shard derives its default --max_variable_bytes from:
+// cgroup v2 and v1 files laid out in a temporary directory.
+#include "common/process_stats.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace psflow {
+namespace {
+
+namespace fs = std::filesystem;
+
+class CgroupLimitTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() /
+            ("psflow_cgroup_test_" + std::to_string(getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  void Write(const std::string& relative, const std::string& text) {
+    const fs::path path = root_ / relative;
+    fs::create_directories(path.parent_path());
+    std::ofstream(path) << text;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(CgroupLimitTest, V2TakesTheSmallestLimitOnTheWayUp) {
+  Write("kubepods/pod1/ctr/memory.max", "max\n");
+  Write("kubepods/pod1/memory.max", "4294967296\n");
+  Write("kubepods/memory.max", "8589934592\n");
+  EXPECT_EQ(internal::CgroupMemoryLimit("0::/kubepods/pod1/ctr\n", root_), int64_t{4} << 30);
+  // Inside a container the path may name the host's hierarchy, which is not
+  // there; the container's own root still counts.
+  Write("memory.max", "1073741824\n");
+  EXPECT_EQ(internal::CgroupMemoryLimit("0::/not/mounted/here\n", root_), int64_t{1} << 30);
+}
+
+TEST_F(CgroupLimitTest, V1ReadsTheMemoryControllerAndIgnoresNoLimit) {
+  Write("memory/job/memory.limit_in_bytes", "9223372036854771712\n");  // v1 "no limit"
+  const std::string cgroup = "4:memory:/job\n3:cpuset:/\n0::/\n";
+  EXPECT_EQ(internal::CgroupMemoryLimit(cgroup, root_), 0);
+  Write("memory/job/memory.limit_in_bytes", "536870912\n");
+  EXPECT_EQ(internal::CgroupMemoryLimit(cgroup, root_), int64_t{512} << 20);
+}
+
+TEST_F(CgroupLimitTest, NoFilesOrGarbageMeanNoLimit) {
+  EXPECT_EQ(internal::CgroupMemoryLimit("0::/a/b\n", root_), 0);
+  EXPECT_EQ(internal::CgroupMemoryLimit("", root_), 0);
+  EXPECT_EQ(internal::CgroupMemoryLimit("not a cgroup line\n", root_), 0);
+  Write("a/memory.max", "lots\n");
+  EXPECT_EQ(internal::CgroupMemoryLimit("0::/a\n", root_), 0);
+}
+
+TEST(MemoryLimitTest, IsPositiveAndAtMostTheMachine) {
+  const int64_t limit = MemoryLimitBytes();
+  const int64_t machine = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  EXPECT_GT(limit, 0);
+  EXPECT_LE(limit, machine);
+}
+
+}  // namespace
+}  // namespace psflow
