@@ -277,18 +277,26 @@ class PsServer::Service final : public grpc::Service {
     using grpc::internal::RpcServiceMethod;
     AddMethod(new RpcServiceMethod(
         "/psflow.ParameterServer/RegisterVariables", RpcMethod::CLIENT_STREAMING,
-        new grpc::internal::ClientStreamingHandler<Service, RegisterRequest, RegisterResponse>(
-            [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<RegisterRequest>* reader,
+        new grpc::internal::ClientStreamingHandler<Service, grpc::ByteBuffer, RegisterResponse>(
+            [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                RegisterResponse* response) {
               return ToGrpcStatus(s->DoRegister(ctx, reader, response));
             },
             this)));
     AddMethod(new RpcServiceMethod(
         "/psflow.ParameterServer/Pull", RpcMethod::SERVER_STREAMING,
-        new grpc::internal::ServerStreamingHandler<Service, PullRequest, grpc::ByteBuffer>(
-            [](Service* s, grpc::ServerContext* ctx, const PullRequest* request,
+        new grpc::internal::ServerStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
+            [](Service* s, grpc::ServerContext* ctx, const grpc::ByteBuffer* bytes,
                grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-              return ToGrpcStatus(s->DoPull(ctx, *request, writer));
+              // Parsed here, so that bytes that are not a PullRequest get
+              // INVALID_ARGUMENT rather than gRPC's INTERNAL.
+              PullRequest request;
+              grpc::ByteBuffer copy(*bytes);  // Deserialize consumes its buffer
+              if (!grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request).ok()) {
+                return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                    "Pull: the request is not a valid PullRequest");
+              }
+              return ToGrpcStatus(s->DoPull(ctx, request, writer));
             },
             this)));
     AddMethod(new RpcServiceMethod(
@@ -342,11 +350,29 @@ class PsServer::Service final : public grpc::Service {
     response->set_resident_bytes(ResidentBytes());
   }
 
+  // Reads the next registration message; false at the end of the stream.
+  // Read as bytes and parsed here: with a typed reader, gRPC reports a
+  // message that does not parse as the end of the stream, and the
+  // registration would go on without it.
+  static absl::StatusOr<bool> ReadRegister(grpc::ServerReader<grpc::ByteBuffer>* reader,
+                                           int index, RegisterRequest* msg) {
+    grpc::ByteBuffer buffer;
+    if (!reader->Read(&buffer)) return false;
+    if (!grpc::SerializationTraits<RegisterRequest>::Deserialize(&buffer, msg).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "RegisterVariables: message ", index,
+          " of the stream is not a valid RegisterRequest; nothing was registered"));
+    }
+    return true;
+  }
+
   absl::Status DoRegister(grpc::ServerContext* context,
-                          grpc::ServerReader<RegisterRequest>* reader,
+                          grpc::ServerReader<grpc::ByteBuffer>* reader,
                           RegisterResponse* response) {
     RegisterRequest msg;
-    if (!reader->Read(&msg) || !msg.has_header()) {
+    int index = 0;
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadRegister(reader, index, &msg));
+    if (!got || !msg.has_header()) {
       return absl::InvalidArgumentError(
           "RegisterVariables: the first message must carry the header");
     }
@@ -364,7 +390,8 @@ class PsServer::Service final : public grpc::Service {
                                                        segment.data().data(), count));
         bytes_received_ += static_cast<int64_t>(segment.data().size());
       }
-    } while (reader->Read(&msg));
+      PSFLOW_ASSIGN_OR_RETURN(got, ReadRegister(reader, ++index, &msg));
+    } while (got);
     if (context->IsCancelled()) {
       return absl::CancelledError("RegisterVariables: the client went away; nothing registered");
     }
