@@ -51,6 +51,7 @@ absl::Status ValidateDefinition(const PartDefinition& def) {
 }
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+using RangeMap = absl::btree_map<int64_t, int64_t>;  // as VariableStore::RangeMap
 
 // Whether [begin, end) shares an element with any range of `ranges`.
 bool OverlapsAny(const Ranges& ranges, int64_t begin, int64_t end) {
@@ -63,11 +64,15 @@ bool OverlapsAny(const Ranges& ranges, int64_t begin, int64_t end) {
 // Usually one range: kept inline, so that a segment's claim allocates nothing.
 using FewRanges = absl::InlinedVector<std::pair<int64_t, int64_t>, 2>;
 
-// The parts of [begin, end) that `done` (sorted, disjoint) does not cover.
-FewRanges Uncovered(const Ranges& done, int64_t begin, int64_t end) {
+// The parts of [begin, end) that `done` does not cover.
+FewRanges Uncovered(const RangeMap& done, int64_t begin, int64_t end) {
   FewRanges out;
   int64_t at = begin;
-  for (const auto& [b, e] : done) {
+  // Start at the last range beginning at or before `begin` (it may cover it).
+  auto it = done.upper_bound(begin);
+  if (it != done.begin()) --it;
+  for (; it != done.end(); ++it) {
+    const auto [b, e] = *it;
     if (e <= at) continue;
     if (b >= end) break;
     if (b > at) out.emplace_back(at, b);
@@ -78,21 +83,23 @@ FewRanges Uncovered(const Ranges& done, int64_t begin, int64_t end) {
   return out;
 }
 
-// Adds [begin, end) to `ranges` (sorted, disjoint, adjacent ones merged).
-void AddRange(Ranges* ranges, int64_t begin, int64_t end) {
-  auto it = std::lower_bound(ranges->begin(), ranges->end(), std::make_pair(begin, end));
-  // Merge with a neighbour on the left that touches or overlaps.
-  if (it != ranges->begin() && std::prev(it)->second >= begin) {
-    --it;
-    begin = it->first;
-    end = std::max(end, it->second);
-    it = ranges->erase(it);
+// Adds [begin, end) to `ranges`, merging it with those it touches or overlaps.
+void AddRange(RangeMap* ranges, int64_t begin, int64_t end) {
+  auto it = ranges->upper_bound(begin);
+  // A neighbour on the left that touches or overlaps.
+  if (it != ranges->begin()) {
+    auto left = std::prev(it);
+    if (left->second >= begin) {
+      begin = left->first;
+      end = std::max(end, left->second);
+      it = ranges->erase(left);
+    }
   }
   while (it != ranges->end() && it->first <= end) {
     end = std::max(end, it->second);
     it = ranges->erase(it);
   }
-  ranges->insert(it, {begin, end});
+  ranges->emplace_hint(it, begin, end);
 }
 
 }  // namespace
@@ -455,7 +462,8 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
         +[](Claim* c) { return !OverlapsAny(*c->in_flight, c->begin, c->end); }, &claim));
     todo = Uncovered(progress->done, offset, offset + count);
     if (!todo.empty()) {
-      progress->in_flight.insert(progress->in_flight.end(), todo.begin(), todo.end());
+      // The whole segment, one entry however many pieces of it are new.
+      progress->in_flight.emplace_back(offset, offset + count);
       if (progress->step == 0) progress->step = ++part->version;
     }
     step = progress->step;
@@ -486,11 +494,9 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   }
   if (!todo.empty()) {
     absl::MutexLock entry_lock(&entry_->mu);
-    for (const auto& range : todo) {
-      progress->in_flight.erase(
-          std::find(progress->in_flight.begin(), progress->in_flight.end(), range));
-      AddRange(&progress->done, range.first, range.second);
-    }
+    progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
+                                        std::make_pair(offset, offset + count)));
+    for (const auto& range : todo) AddRange(&progress->done, range.first, range.second);
   }
   applied_ += applied;
   skipped_ += count - applied;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/node_hash_map.h"
 #include "absl/status/status.h"
@@ -124,6 +125,10 @@ class VariableStore {
 
   // Half-open element ranges [first, second).
   using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  // Disjoint half-open ranges by their begin: begin -> end. A tree, so that
+  // a push of many small segments (a client may send hundreds of thousands
+  // in one message, in any order) costs a logarithm per segment, not a scan.
+  using RangeMap = absl::btree_map<int64_t, int64_t>;
 
   // What one request id has applied: per part, the step it was given, the
   // elements already updated and those being updated right now. A push may
@@ -133,8 +138,8 @@ class VariableStore {
   struct LedgerEntry {
     struct Progress {
       int64_t step = 0;
-      Ranges done;       // sorted, disjoint, adjacent ones merged
-      Ranges in_flight;  // one entry per claim, in no order; disjoint
+      RangeMap done;     // adjacent ones merged
+      Ranges in_flight;  // one entry per session applying now, in no order; disjoint
     };
     absl::Mutex mu;
     // node_hash_map: a waiting session keeps a pointer to its Progress.

@@ -8,6 +8,7 @@
 #include <barrier>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -238,6 +239,43 @@ TEST(VariableStoreTest, SegmentsInAnyOrderAreEachAppliedOnce) {
   ASSERT_TRUE(again->Apply("w", 0, g, 6).ok());
   EXPECT_EQ(again->elements_skipped(), 6);
   EXPECT_THAT(ReadAll(store.get(), "w", 6), ::testing::ElementsAre(-1, -2, -3, -4, -5, -6));
+}
+
+// Tens of thousands of small segments in random order, overlapping, some
+// adjacent: the ledger of applied ranges (a tree of merged ranges) must
+// still apply every element exactly once per request id. Checked against a
+// bitmap of what each segment newly covers.
+TEST(VariableStoreTest, ManySmallSegmentsInAnyOrderAreEachAppliedOnce) {
+  constexpr int64_t kElements = 50000;
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {kElements}, 0, kElements), 0.0f);
+  std::mt19937_64 rng(5);
+  std::vector<float> ones(kElements, 1.0f);
+  std::vector<bool> covered(kElements, false);
+  auto push = store->BeginPush({1, 1, 0, 31});
+  int64_t want_applied = 0, want_skipped = 0;
+  for (int i = 0; i < 30000; ++i) {
+    const int64_t offset = static_cast<int64_t>(rng() % kElements);
+    const int64_t count = std::min<int64_t>(1 + static_cast<int64_t>(rng() % 3), kElements - offset);
+    for (int64_t e = offset; e < offset + count; ++e) {
+      (covered[e] ? want_skipped : want_applied) += 1;
+      covered[e] = true;
+    }
+    ASSERT_TRUE(push->Apply("w", offset, ones.data(), count).ok());
+  }
+  EXPECT_EQ(push->elements_applied(), want_applied);
+  EXPECT_EQ(push->elements_skipped(), want_skipped);
+  std::vector<float> values = ReadAll(store.get(), "w", kElements);
+  for (int64_t e = 0; e < kElements; ++e) {
+    ASSERT_EQ(values[e], covered[e] ? -1.0f : 0.0f) << "element " << e;
+  }
+  // A retry of the whole part fills exactly the gaps.
+  auto retry = store->BeginPush({1, 1, 0, 31});
+  ASSERT_TRUE(retry->Apply("w", 0, ones.data(), kElements).ok());
+  EXPECT_EQ(retry->elements_applied(), kElements - want_applied);
+  values = ReadAll(store.get(), "w", kElements);
+  EXPECT_TRUE(std::all_of(values.begin(), values.end(), [](float v) { return v == -1.0f; }));
+  EXPECT_EQ(store->GetPart("w")->version, 1);
 }
 
 TEST(VariableStoreTest, ParallelSessionsOfOneRequestIdApplyEachElementOnce) {
