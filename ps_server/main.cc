@@ -182,9 +182,12 @@ int main(int argc, char** argv) {
   auto server = PsServer::Start(*options);
   if (!server.ok()) return Fail(server.status());
 
-  std::printf("ps_server: shard %d of %d listening on %s (port %d), optimizer %s\n",
+  const int64_t limit = (*server)->store().max_variable_bytes();
+  std::printf("ps_server: shard %d of %d listening on %s (port %d), optimizer %s, %s\n",
               options->store.shard_index, options->store.num_shards, options->address.c_str(),
-              (*server)->port(), (*server)->store().optimizer().DebugString().c_str());
+              (*server)->port(), (*server)->store().optimizer().DebugString().c_str(),
+              limit > 0 ? absl::StrCat("variables up to ", limit >> 20, " MiB").c_str()
+                        : "no limit on variable bytes");
   std::fflush(stdout);
 
   int sig = 0;

@@ -242,6 +242,9 @@ class VariableStore {
   absl::StatusOr<PartSnapshot> GetPart(absl::string_view variable) const;
   uint64_t plan_fingerprint() const;
   StoreStats stats() const;
+  // The bound on parameters and slots that registration enforces, resolved
+  // from the options (0: none).
+  int64_t max_variable_bytes() const { return max_variable_bytes_; }
 
  private:
   class StripeLock;
