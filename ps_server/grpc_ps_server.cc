@@ -317,10 +317,16 @@ class PsServer::Service final : public grpc::Service {
             this)));
     AddMethod(new RpcServiceMethod(
         "/psflow.ParameterServer/GetStatus", RpcMethod::NORMAL_RPC,
-        new grpc::internal::RpcMethodHandler<Service, StatusRequest, StatusResponse,
-                                             grpc::protobuf::MessageLite,
-                                             grpc::protobuf::MessageLite>(
-            [](Service* s, grpc::ServerContext*, const StatusRequest*, StatusResponse* response) {
+        new grpc::internal::RpcMethodHandler<Service, grpc::ByteBuffer, StatusResponse,
+                                             grpc::ByteBuffer, grpc::protobuf::MessageLite>(
+            [](Service* s, grpc::ServerContext*, const grpc::ByteBuffer* bytes,
+               StatusResponse* response) {
+              StatusRequest request;  // empty, but it must parse like every request
+              grpc::ByteBuffer copy(*bytes);
+              if (!grpc::SerializationTraits<StatusRequest>::Deserialize(&copy, &request).ok()) {
+                return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                    "GetStatus: the request is not a valid StatusRequest");
+              }
               s->DoGetStatus(response);
               return grpc::Status::OK;
             },
