@@ -293,21 +293,34 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
     }
   }
   if (max_variable_bytes_ > 0 && !new_parts.empty()) {
+    absl::MutexLock lock(&parts_mu_);
     const int64_t held = parameter_bytes_.load() / 4 * element_bytes;
-    if (new_bytes > max_variable_bytes_ - std::min(held, max_variable_bytes_)) {
+    const int64_t room = max_variable_bytes_ - std::min(held, max_variable_bytes_);
+    if (new_bytes > room || new_bytes > room - std::min(reserved_bytes_, room)) {
       const PartDefinition& largest = **std::max_element(
           new_parts.begin(), new_parts.end(), [](const PartDefinition* a, const PartDefinition* b) {
             return a->num_elements() < b->num_elements();
           });
-      return absl::ResourceExhaustedError(absl::StrCat(
+      const std::string what = absl::StrCat(
           "registering ", new_parts.size(), " new part(s) (the largest ", largest.DebugString(),
           ") needs ", new_bytes, " bytes of parameters and optimizer slots (", element_bytes,
           " per element with ", optimizer_->DebugString(), ") on ps shard ",
           options_.shard_index, ", which holds ", held, " and may hold at most ",
           max_variable_bytes_,
-          " (--max_variable_bytes; by default the machine's memory or its cgroup's limit); "
-          "nothing was registered. Use more ps shards, or check the model's shapes"));
+          " (--max_variable_bytes; by default the machine's memory or its cgroup's limit)");
+      if (new_bytes > room) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            what, "; nothing was registered. Use more ps shards, or check the model's shapes"));
+      }
+      // It would fit but for registrations in progress. Most often another
+      // worker registering the same model: a retry (UNAVAILABLE is retried
+      // by clients) finds its parts registered and keeps them.
+      return absl::UnavailableError(absl::StrCat(
+          what, ", but registrations in progress have ", reserved_bytes_,
+          " bytes of it reserved; nothing was registered, try again once they have finished"));
     }
+    reserved_bytes_ += new_bytes;
+    reg->reserved_ = new_bytes;
   }
   for (const PartDefinition* def : new_parts) {
     // Allocated outside the table lock. The limit above stops what no
@@ -326,7 +339,12 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
   return reg;
 }
 
-VariableStore::Registration::~Registration() = default;
+VariableStore::Registration::~Registration() {
+  if (reserved_ > 0) {
+    absl::MutexLock lock(&store_->parts_mu_);
+    store_->reserved_bytes_ -= reserved_;
+  }
+}
 
 absl::Status VariableStore::Registration::AddValues(absl::string_view variable, int64_t offset,
                                                     const void* data, int64_t count) {
@@ -361,17 +379,21 @@ absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
     }
   }
   absl::MutexLock lock(&store_->parts_mu_);
-  for (auto& [name, p] : pending_) {
+  // Every conflict first, so that a refused registration adds nothing.
+  for (const auto& [name, p] : pending_) {
     auto it = store_->parts_.find(name);
-    if (it != store_->parts_.end()) {
-      // Present already (kept, or registered meanwhile by another worker).
-      const PartDefinition& have = it->second->def;
-      const PartDefinition& want = p.part ? p.part->def : have;
-      if (!have.SameLayout(want) || have.plan_fingerprint != want.plan_fingerprint) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "variable '", name, "' was registered concurrently as ", have.DebugString(),
-            " which differs from ", want.DebugString()));
-      }
+    if (it == store_->parts_.end() || p.part == nullptr) continue;
+    // Registered meanwhile by another registration.
+    const PartDefinition& have = it->second->def;
+    const PartDefinition& want = p.part->def;
+    if (!have.SameLayout(want) || have.plan_fingerprint != want.plan_fingerprint) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "variable '", name, "' was registered concurrently as ", have.DebugString(),
+          " which differs from ", want.DebugString(), "; nothing was registered"));
+    }
+  }
+  for (auto& [name, p] : pending_) {
+    if (store_->parts_.contains(name)) {  // kept, or registered meanwhile alike
       ++result.parts_kept;
       continue;
     }
@@ -382,6 +404,8 @@ absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
     ++result.parts_created;
   }
   pending_.clear();
+  store_->reserved_bytes_ -= reserved_;  // now held, or kept from another registration
+  reserved_ = 0;
   return result;
 }
 

@@ -170,6 +170,7 @@ class VariableStore {
     friend class VariableStore;
     explicit Registration(VariableStore* store) : store_(store) {}
     VariableStore* store_;
+    int64_t reserved_ = 0;  // bytes of the store's limit held until Commit or destruction
     struct Pending {
       std::unique_ptr<Part> part;  // null for a kept part
       int64_t received = 0;        // contiguous prefix of initial values
@@ -261,6 +262,10 @@ class VariableStore {
   mutable absl::Mutex parts_mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Part>> parts_ ABSL_GUARDED_BY(parts_mu_);
   uint64_t plan_fingerprint_ ABSL_GUARDED_BY(parts_mu_) = 0;
+  // Bytes that registrations in progress will add (their new parts'
+  // parameters and slots), counted against max_variable_bytes_ so that
+  // registrations open at once cannot together exceed it.
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(parts_mu_) = 0;
 
   absl::Mutex ledger_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<LedgerEntry>> ledger_ ABSL_GUARDED_BY(ledger_mu_);

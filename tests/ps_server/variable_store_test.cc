@@ -164,6 +164,65 @@ TEST(VariableStoreTest, RegistrationBeyondTheMemoryLimitIsResourceExhausted) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// Registrations open at the same moment reserve their bytes, so that
+// together they cannot exceed the limit (each allocates and fills its parts
+// before it commits). One that would fit but for the others is UNAVAILABLE,
+// which clients retry; the second of two workers registering the same model
+// then finds its parts registered and keeps them.
+TEST(VariableStoreTest, RegistrationsInProgressReserveTheirBytes) {
+  VariableStoreOptions options;  // Adam: 12 bytes per element
+  options.max_variable_bytes = 12 * 100;
+  auto created = VariableStore::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  VariableStore* store = created->get();
+  std::vector<float> zeros(90, 0.0f);
+
+  auto x = store->BeginRegistration(7, 1, 0, {Def("x", {90}, 0, 90)});
+  ASSERT_TRUE(x.ok()) << x.status();
+  auto y = store->BeginRegistration(7, 1, 0, {Def("y", {90}, 0, 90)});
+  ASSERT_EQ(y.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(y.status().message(), HasSubstr("1080 bytes of it reserved"));
+  x->reset();  // x gives up: its reservation goes with it
+  y = store->BeginRegistration(7, 1, 0, {Def("y", {90}, 0, 90)});
+  ASSERT_TRUE(y.ok()) << y.status();
+  ASSERT_TRUE((*y)->AddValues("y", 0, zeros.data(), 90).ok());
+  ASSERT_TRUE((*y)->Commit().ok());
+  // Held now, not reserved: a third part of the same size can never fit.
+  EXPECT_EQ(store->BeginRegistration(7, 1, 0, {Def("z", {90}, 0, 90)}).status().code(),
+            absl::StatusCode::kResourceExhausted);
+
+  // Two workers registering the same model at once.
+  auto first = store->BeginRegistration(7, 1, 0, {Def("w", {8}, 0, 8)});
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = store->BeginRegistration(7, 1, 0, {Def("w", {8}, 0, 8)});
+  ASSERT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE((*first)->AddValues("w", 0, zeros.data(), 8).ok());
+  ASSERT_TRUE((*first)->Commit().ok());
+  second = store->BeginRegistration(7, 1, 0, {Def("w", {8}, 0, 8)});  // the retry
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto kept = (*second)->Commit();
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->parts_kept, 1);
+  EXPECT_EQ(store->ListParts().size(), 2u);
+}
+
+// A registration that finds, at commit, one of its parts registered
+// meanwhile with another layout adds none of its parts.
+TEST(VariableStoreTest, ConflictAtCommitRegistersNothing) {
+  auto store = SgdStore();
+  std::vector<float> zeros(8, 0.0f);
+  auto a_and_b = store->BeginRegistration(7, 1, 0, {Def("a", {4}, 0, 4), Def("b", {4}, 0, 4)});
+  ASSERT_TRUE(a_and_b.ok()) << a_and_b.status();
+  ASSERT_TRUE((*a_and_b)->AddValues("a", 0, zeros.data(), 4).ok());
+  ASSERT_TRUE((*a_and_b)->AddValues("b", 0, zeros.data(), 4).ok());
+  RegisterFilled(store.get(), Def("b", {8}, 0, 8), 1.0f);  // another worker, first
+  auto result = (*a_and_b)->Commit();
+  ASSERT_EQ(result.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(result.status().message(), HasSubstr("nothing was registered"));
+  ASSERT_EQ(store->ListParts().size(), 1u);
+  EXPECT_EQ(store->ListParts()[0].def.variable, "b");
+}
+
 // By default the limit is the machine's memory: a shape no machine can hold
 // is refused, not allocated (it used to end the server with bad_alloc, or
 // page in memory until the kernel killed it). With no limit at all, the
