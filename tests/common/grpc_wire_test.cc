@@ -16,6 +16,7 @@
 #include "google/protobuf/dynamic_message.h"
 #include "gtest/gtest.h"
 #include "psflow.pb.h"
+#include "tests/common/proto_bytes_variant.h"
 
 namespace psflow::wire {
 namespace {
@@ -349,31 +350,11 @@ bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::string_vie
   return true;
 }
 
-// protobuf's parser for psflow.proto with Segment.variable declared `bytes`
-// instead of `string`: the same wire format, without proto3's UTF-8 check,
-// which this decoder leaves to the variable lookup (no variable has a name
-// that is not UTF-8, so such a segment is NOT_FOUND).
+// protobuf's own parser, with Segment.variable read as bytes (see
+// tests/common/proto_bytes_variant.h).
 std::unique_ptr<google::protobuf::Message> NewBytesVariant(MessageKind kind) {
-  using google::protobuf::DescriptorPool;
-  using google::protobuf::DynamicMessageFactory;
-  static DescriptorPool* const pool = [] {
-    google::protobuf::FileDescriptorProto file;
-    PushRequest::descriptor()->file()->CopyTo(&file);
-    for (google::protobuf::DescriptorProto& m : *file.mutable_message_type()) {
-      for (google::protobuf::FieldDescriptorProto& f : *m.mutable_field()) {
-        if (m.name() == "Segment" && f.name() == "variable") {
-          f.set_type(google::protobuf::FieldDescriptorProto::TYPE_BYTES);
-        }
-      }
-    }
-    auto* built = new DescriptorPool();
-    EXPECT_NE(built->BuildFile(file), nullptr);
-    return built;
-  }();
-  static DynamicMessageFactory* const factory = new DynamicMessageFactory(pool);
-  const google::protobuf::Descriptor* type = pool->FindMessageTypeByName(
-      kind == MessageKind::kPushRequest ? "psflow.PushRequest" : "psflow.PullResponse");
-  return std::unique_ptr<google::protobuf::Message>(factory->GetPrototype(type)->New());
+  return test_support::NewBytesVariant(kind == MessageKind::kPushRequest ? "psflow.PushRequest"
+                                                                          : "psflow.PullResponse");
 }
 
 // Field `name` of `m`, read through reflection.
