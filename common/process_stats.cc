@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/match.h"
 #include "absl/strings/strip.h"
 
 namespace psflow {

@@ -288,14 +288,9 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::ServerStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
             [](Service* s, grpc::ServerContext* ctx, const grpc::ByteBuffer* bytes,
                grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-              // Parsed here, so that bytes that are not a PullRequest get
-              // INVALID_ARGUMENT rather than gRPC's INTERNAL.
               PullRequest request;
-              grpc::ByteBuffer copy(*bytes);  // Deserialize consumes its buffer
-              if (!grpc::SerializationTraits<PullRequest>::Deserialize(&copy, &request).ok()) {
-                return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                    "Pull: the request is not a valid PullRequest");
-              }
+              absl::Status parsed = ParseRequest(*bytes, "Pull: the request", &request);
+              if (!parsed.ok()) return ToGrpcStatus(parsed);
               return ToGrpcStatus(s->DoPull(ctx, request, writer));
             },
             this)));
@@ -322,11 +317,8 @@ class PsServer::Service final : public grpc::Service {
             [](Service* s, grpc::ServerContext*, const grpc::ByteBuffer* bytes,
                StatusResponse* response) {
               StatusRequest request;  // empty, but it must parse like every request
-              grpc::ByteBuffer copy(*bytes);
-              if (!grpc::SerializationTraits<StatusRequest>::Deserialize(&copy, &request).ok()) {
-                return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                    "GetStatus: the request is not a valid StatusRequest");
-              }
+              absl::Status parsed = ParseRequest(*bytes, "GetStatus: the request", &request);
+              if (!parsed.ok()) return ToGrpcStatus(parsed);
               s->DoGetStatus(response);
               return grpc::Status::OK;
             },
@@ -356,19 +348,28 @@ class PsServer::Service final : public grpc::Service {
     response->set_resident_bytes(ResidentBytes());
   }
 
+  // Every method receives bytes and parses them here: gRPC's typed handlers
+  // answer bytes that do not parse with INTERNAL, and its typed stream
+  // reader reports them as the end of the stream (a registration would go
+  // on without the message). `what` names the message for the error.
+  template <typename T>
+  static absl::Status ParseRequest(grpc::ByteBuffer buffer, absl::string_view what, T* out) {
+    // Deserialize consumes its buffer; the copy shares the slices.
+    if (!grpc::SerializationTraits<T>::Deserialize(&buffer, out).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, " is not a valid ", T::descriptor()->name()));
+    }
+    return absl::OkStatus();
+  }
+
   // Reads the next registration message; false at the end of the stream.
-  // Read as bytes and parsed here: with a typed reader, gRPC reports a
-  // message that does not parse as the end of the stream, and the
-  // registration would go on without it.
   static absl::StatusOr<bool> ReadRegister(grpc::ServerReader<grpc::ByteBuffer>* reader,
                                            int index, RegisterRequest* msg) {
     grpc::ByteBuffer buffer;
     if (!reader->Read(&buffer)) return false;
-    if (!grpc::SerializationTraits<RegisterRequest>::Deserialize(&buffer, msg).ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "RegisterVariables: message ", index,
-          " of the stream is not a valid RegisterRequest; nothing was registered"));
-    }
+    PSFLOW_RETURN_IF_ERROR(ParseRequest(
+        std::move(buffer), absl::StrCat("RegisterVariables: message ", index, " of the stream"),
+        msg));
     return true;
   }
 

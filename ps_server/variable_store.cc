@@ -296,7 +296,8 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
     absl::MutexLock lock(&parts_mu_);
     const int64_t held = parameter_bytes_.load() / 4 * element_bytes;
     const int64_t room = max_variable_bytes_ - std::min(held, max_variable_bytes_);
-    if (new_bytes > room || new_bytes > room - std::min(reserved_bytes_, room)) {
+    const int64_t unreserved = room - std::min(reserved_bytes_, room);
+    if (new_bytes > unreserved) {
       const PartDefinition& largest = **std::max_element(
           new_parts.begin(), new_parts.end(), [](const PartDefinition* a, const PartDefinition* b) {
             return a->num_elements() < b->num_elements();
