@@ -319,13 +319,27 @@ size_t MaxSegmentPrefixSize(absl::string_view variable) {
   return 4 * 10 + 3 + 10 + variable.size();
 }
 
-size_t WriteSegmentPrefix(char* out, int field, absl::string_view variable, int64_t offset,
-                          size_t data_bytes) {
-  // proto3 leaves fields at their default out, as the generated code does.
+namespace {
+// The length of a Segment's body: proto3 leaves fields at their default
+// out, as the generated code does.
+size_t SegmentBodySize(absl::string_view variable, int64_t offset, size_t data_bytes) {
   size_t body = 0;
   if (!variable.empty()) body += 1 + VarintSize(variable.size()) + variable.size();
   if (offset != 0) body += 1 + VarintSize(static_cast<uint64_t>(offset));
   if (data_bytes != 0) body += 1 + VarintSize(data_bytes) + data_bytes;
+  return body;
+}
+}  // namespace
+
+size_t SegmentPrefixSize(int field, absl::string_view variable, int64_t offset,
+                         size_t data_bytes) {
+  const size_t body = SegmentBodySize(variable, offset, data_bytes);
+  return VarintSize(Tag(field, kLen)) + VarintSize(body) + body - data_bytes;
+}
+
+size_t WriteSegmentPrefix(char* out, int field, absl::string_view variable, int64_t offset,
+                          size_t data_bytes) {
+  const size_t body = SegmentBodySize(variable, offset, data_bytes);
   char* p = PutVarint(out, Tag(field, kLen));
   p = PutVarint(p, body);
   if (!variable.empty()) {

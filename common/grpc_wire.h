@@ -47,6 +47,9 @@ size_t MaxSegmentPrefixSize(absl::string_view variable);
 // `out` needs MaxSegmentPrefixSize(variable) bytes; returns the bytes written.
 size_t WriteSegmentPrefix(char* out, int field, absl::string_view variable, int64_t offset,
                           size_t data_bytes);
+// The bytes WriteSegmentPrefix writes for these arguments, exactly.
+size_t SegmentPrefixSize(int field, absl::string_view variable, int64_t offset,
+                         size_t data_bytes);
 // Same, appended to a string.
 size_t AppendSegmentPrefix(std::string* out, int field, absl::string_view variable,
                            int64_t offset, size_t data_bytes);

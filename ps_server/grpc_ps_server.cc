@@ -206,9 +206,17 @@ class ResponseWriter {
         }) {}
   ~ResponseWriter() { Close(); }
 
-  // Queues a message; false once a write has failed (the client is gone).
+  // Queues a message, first waiting while kMaxQueued are queued, so that a
+  // client that stops reading stops the handler (and through HTTP/2 flow
+  // control, its own writes) instead of the responses piling up here; false
+  // once a write has failed (the client is gone).
   bool Send(grpc::ByteBuffer message) {
     absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](ResponseWriter* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
+          return w->failed_ || w->queue_.size() < kMaxQueued;
+        },
+        this));
     if (failed_) return false;
     queue_.push_back(std::move(message));
     return true;
@@ -247,6 +255,10 @@ class ResponseWriter {
       }
     }
   }
+
+  // Responses waiting besides the one being written: enough to keep the
+  // writer busy while the handler applies the next message.
+  static constexpr size_t kMaxQueued = 2;
 
   grpc::internal::WriterInterface<grpc::ByteBuffer>* const stream_;
   absl::Mutex mu_;
@@ -622,13 +634,16 @@ class PsServer::Service final : public grpc::Service {
     while (status.ok()) {
       const wire::DecodedMessage& msg = m.msg;
       if (msg.num_segments > 0) {
-        // The response: each segment's prefix, then room for its values.
-        size_t bound = 2 + 10 + 10 * msg.num_segments;  // versions field
+        // The response: each segment's prefix, then room for its values
+        // (the versions follow in a slice of their own). Sized exactly, so
+        // that the answer to a message is no larger than the message.
+        size_t bytes = 0;
         for (size_t i = 0; i < msg.num_segments; ++i) {
-          bound += wire::MaxSegmentPrefixSize(msg.segments[i].variable) +
-                   static_cast<size_t>(std::max<int64_t>(msg.segments[i].data_bytes, 0));
+          const wire::DecodedSegment& seg = msg.segments[i];
+          const size_t data = static_cast<size_t>(std::max<int64_t>(seg.data_bytes, 0));
+          bytes += wire::SegmentPrefixSize(1, seg.variable, seg.offset, data) + data;
         }
-        BufferPool::Buffer* buf = pool_->Get(bound);
+        BufferPool::Buffer* buf = pool_->Get(bytes);
         char* p = buf->data.get();
         size_t len = 0;
         read_back.resize(msg.num_segments);
@@ -650,10 +665,9 @@ class PsServer::Service final : public grpc::Service {
         }
         tail.clear();
         wire::AppendPackedInt64(&tail, 2, versions);
-        std::memcpy(p + len, tail.data(), tail.size());
-        len += tail.size();
-        grpc::Slice slice(buf->data.get(), len, &BufferPool::Return, buf);
-        if (!writer.Send(grpc::ByteBuffer(&slice, 1))) {
+        grpc::Slice slices[2] = {grpc::Slice(buf->data.get(), len, &BufferPool::Return, buf),
+                                 grpc::Slice(tail)};
+        if (!writer.Send(grpc::ByteBuffer(slices, 2))) {
           status = absl::CancelledError("PushPull: the client went away");
           break;
         }
@@ -683,13 +697,18 @@ class PsServer::Service final : public grpc::Service {
 
   absl::Status DoPull(grpc::ServerContext* context, const PullRequest& request,
                       grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-    // What to read: elements [begin, end) of each part, in order.
+    // What to read: elements [begin, end) of each part, in order. The names
+    // point into the request or into `all`, and each message is cut just
+    // before it is sent: the memory a request costs is bounded by its size,
+    // not by the element counts it names.
     struct Span {
-      PartSnapshot part;
+      absl::string_view variable;
       int64_t begin, end;
     };
     std::vector<Span> spans;
+    std::vector<PartSnapshot> all;  // an empty request's parts
     if (!request.ranges().empty()) {
+      spans.reserve(request.ranges_size());
       for (const PullRange& range : request.ranges()) {
         PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(range.variable()));
         if (range.offset() < 0 || range.count() < 0 ||
@@ -699,18 +718,16 @@ class PsServer::Service final : public grpc::Service {
               RangeEnd(range.offset(), range.count()), ") but its part on ps shard ",
               store_->options().shard_index, " has ", part.num_elements, " elements"));
         }
-        spans.push_back({std::move(part), range.offset(), range.offset() + range.count()});
+        spans.push_back({range.variable(), range.offset(), range.offset() + range.count()});
       }
     } else if (request.variables().empty()) {
-      for (PartSnapshot& part : store_->ListParts()) {
-        const int64_t n = part.num_elements;
-        spans.push_back({std::move(part), 0, n});
-      }
+      all = store_->ListParts();
+      for (const PartSnapshot& part : all) spans.push_back({part.def.variable, 0, part.num_elements});
     } else {
+      spans.reserve(request.variables_size());
       for (const std::string& name : request.variables()) {
         PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(name));
-        const int64_t n = part.num_elements;
-        spans.push_back({std::move(part), 0, n});
+        spans.push_back({name, 0, part.num_elements});
       }
     }
     int64_t chunk_bytes = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
@@ -718,73 +735,57 @@ class PsServer::Service final : public grpc::Service {
     chunk_bytes = std::max<int64_t>(4, std::min(chunk_bytes, store_->options().max_chunk_bytes));
     const int64_t chunk_elements = chunk_bytes / 4;
 
-    // Plan the messages: runs of (part, offset, count), at most
-    // chunk_elements per message.
+    // Each message: runs of (variable, offset, count), at most chunk_elements
+    // in all, taken from the spans in order; empty spans send nothing.
     struct Piece {
-      const PartSnapshot* part;
+      absl::string_view variable;
       int64_t offset, count;
     };
-    std::vector<Piece> plan;
-    std::vector<size_t> message_ends;  // index into plan after each message
-    int64_t in_msg = 0;
-    for (const Span& span : spans) {
-      for (int64_t offset = span.begin; offset < span.end;) {
-        const int64_t take = std::min(span.end - offset, chunk_elements - in_msg);
-        plan.push_back({&span.part, offset, take});
-        offset += take;
-        in_msg += take;
-        if (in_msg >= chunk_elements) {
-          message_ends.push_back(plan.size());
-          in_msg = 0;
-        }
-      }
-    }
-    if (message_ends.empty() || message_ends.back() != plan.size()) {
-      message_ends.push_back(plan.size());
-    }
-    if (plan.empty()) return absl::OkStatus();
-
+    std::vector<Piece> pieces;
     std::vector<int64_t> versions;
     std::string tail;
-    size_t begin = 0;
-    for (size_t end : message_ends) {
-      size_t bound = 2 + 10 + 10 * (end - begin);  // versions field
-      for (size_t i = begin; i < end; ++i) {
-        bound += wire::MaxSegmentPrefixSize(plan[i].part->def.variable) + plan[i].count * 4;
+    size_t next = 0;  // the span being sent
+    int64_t at = spans.empty() ? 0 : spans[0].begin;
+    auto skip_sent = [&] {
+      while (next < spans.size() && at >= spans[next].end) {
+        if (++next < spans.size()) at = spans[next].begin;
       }
-      BufferPool::Buffer* buf = pool_->Get(bound);
+    };
+    skip_sent();
+    while (next < spans.size()) {
+      pieces.clear();
+      size_t bytes = 0;
+      for (int64_t in_msg = 0; next < spans.size() && in_msg < chunk_elements; skip_sent()) {
+        const int64_t take = std::min(spans[next].end - at, chunk_elements - in_msg);
+        pieces.push_back({spans[next].variable, at, take});
+        bytes += wire::SegmentPrefixSize(1, spans[next].variable, at, take * 4) + take * 4;
+        at += take;
+        in_msg += take;
+      }
+      BufferPool::Buffer* buf = pool_->Get(bytes);
       char* p = buf->data.get();
       size_t len = 0;
       versions.clear();
-      absl::Status s;
       int64_t data_bytes = 0;
-      for (size_t i = begin; i < end && s.ok(); ++i) {
-        const Piece& piece = plan[i];
-        len += wire::WriteSegmentPrefix(p + len, 1, piece.part->def.variable, piece.offset,
-                                        piece.count * 4);
+      for (const Piece& piece : pieces) {
+        len += wire::WriteSegmentPrefix(p + len, 1, piece.variable, piece.offset, piece.count * 4);
         absl::StatusOr<int64_t> version =
-            store_->Read(piece.part->def.variable, piece.offset, piece.count, p + len);
+            store_->Read(piece.variable, piece.offset, piece.count, p + len);
         if (!version.ok()) {
-          s = version.status();
-          break;
+          BufferPool::Return(buf);
+          return version.status();
         }
         versions.push_back(*version);
         len += piece.count * 4;
         data_bytes += piece.count * 4;
       }
-      if (!s.ok()) {
-        BufferPool::Return(buf);
-        return s;
-      }
       tail.clear();
       wire::AppendPackedInt64(&tail, 2, versions);
-      std::memcpy(p + len, tail.data(), tail.size());
-      len += tail.size();
-      grpc::Slice slice(buf->data.get(), len, &BufferPool::Return, buf);
-      grpc::ByteBuffer message(&slice, 1);
+      grpc::Slice slices[2] = {grpc::Slice(buf->data.get(), len, &BufferPool::Return, buf),
+                               grpc::Slice(tail)};
+      grpc::ByteBuffer message(slices, 2);
       if (!writer->Write(message)) return absl::CancelledError("Pull: the client went away");
       bytes_sent_ += data_bytes;
-      begin = end;
       if (context->IsCancelled()) return absl::CancelledError("Pull: cancelled");
     }
     return absl::OkStatus();

@@ -150,6 +150,12 @@ class GrpcPsClient final : public PsClient {
     request.set_worker_id(options_.worker_id);
     request.set_max_chunk_bytes(options_.max_chunk_bytes);
     if (NumStreams(s) == 1) {
+      // Every part by name (not the empty list, which means all the shard
+      // holds): a shard that lost a part answers NOT_FOUND naming it, and
+      // the parts of another model on the same shard are not sent.
+      for (int p : shard.parts) {
+        request.add_variables(plan_.variables()[plan_.parts()[p].variable_index].name);
+      }
       conn.pull_elements = ShardElements(s);
       return;
     }
@@ -177,7 +183,7 @@ class GrpcPsClient final : public PsClient {
   const PartitionPlan& plan() const override { return plan_; }
 
   absl::Status Register(absl::Span<const float* const> initial_values) override {
-    PSFLOW_RETURN_IF_ERROR(CheckCount(initial_values.size(), "Register"));
+    PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     return ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryCall(options_.retry, [&] { return RegisterOnce(s, initial_values); });
     });
@@ -188,7 +194,7 @@ class GrpcPsClient final : public PsClient {
     Backoff backoff(options_.retry);
     while (true) {
       absl::Status missing = absl::OkStatus();
-      auto statuses = GetStatusOnce();
+      auto statuses = GetStatusOnce(deadline);
       if (!statuses.ok()) {
         missing = statuses.status();
       } else {
@@ -219,7 +225,7 @@ class GrpcPsClient final : public PsClient {
   }
 
   absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) override {
-    PSFLOW_RETURN_IF_ERROR(CheckCount(values.size(), "Pull"));
+    PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "Pull", "output buffer"));
     std::vector<PullResult> results(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryCall(options_.retry, [&] {
@@ -259,7 +265,7 @@ class GrpcPsClient final : public PsClient {
   }
 
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
-    PSFLOW_RETURN_IF_ERROR(CheckCount(grads.size(), "Push"));
+    PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "Push", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
     return ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
@@ -275,8 +281,8 @@ class GrpcPsClient final : public PsClient {
 
   absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads, const PushInfo& info,
                                       absl::Span<float* const> values) override {
-    PSFLOW_RETURN_IF_ERROR(CheckCount(grads.size(), "PushPull"));
-    PSFLOW_RETURN_IF_ERROR(CheckCount(values.size(), "PushPull"));
+    PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "PushPull", "gradient"));
+    PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
     std::vector<PullResult> results(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
@@ -418,10 +424,22 @@ class GrpcPsClient final : public PsClient {
     return absl::OkStatus();
   }
 
-  absl::Status CheckCount(size_t n, const char* what) const {
-    if (n == plan_.variables().size()) return absl::OkStatus();
-    return absl::InvalidArgumentError(absl::StrCat(what, " got ", n, " tensors; the model has ",
-                                                   plan_.variables().size(), " variables"));
+  // One non-null tensor per variable of the plan.
+  template <typename T>
+  absl::Status CheckTensors(absl::Span<T* const> tensors, const char* what,
+                            const char* role) const {
+    if (tensors.size() != plan_.variables().size()) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " got ", tensors.size(),
+                                                     " tensors; the model has ",
+                                                     plan_.variables().size(), " variables"));
+    }
+    for (size_t v = 0; v < tensors.size(); ++v) {
+      if (tensors[v] != nullptr) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": the ", role, " of '", plan_.variables()[v].name, "' is null; expected ",
+          plan_.variables()[v].num_elements(), " floats"));
+    }
+    return absl::OkStatus();
   }
 
   uint64_t NewRequestId() {
@@ -431,9 +449,9 @@ class GrpcPsClient final : public PsClient {
     return id;
   }
 
-  void SetDeadline(grpc::ClientContext* context) const {
-    context->set_deadline(std::chrono::system_clock::now() +
-                          absl::ToChronoMilliseconds(options_.rpc_timeout));
+  // rpc_timeout from now, or `cap` if sooner.
+  void SetDeadline(grpc::ClientContext* context, absl::Time cap = absl::InfiniteFuture()) const {
+    context->set_deadline(absl::ToChronoTime(std::min(absl::Now() + options_.rpc_timeout, cap)));
   }
 
   absl::Status RegisterOnce(int s, absl::Span<const float* const> values) {
@@ -537,9 +555,15 @@ class GrpcPsClient final : public PsClient {
               " float32 elements"));
           break;
         }
+        if (i >= msg.versions.size()) {
+          bad = absl::DataLossError(absl::StrCat(
+              shard.name, " sent a Pull response with ", msg.num_segments, " segments but ",
+              msg.versions.size(), " versions; expected one version per segment"));
+          break;
+        }
         msg.CopyData(segment, values[part.variable_index] + part.elem_begin + segment.offset);
         *received += count;
-        const int64_t version = i < msg.versions.size() ? msg.versions[i] : 0;
+        const int64_t version = msg.versions[i];
         result->min_version = first ? version : std::min(result->min_version, version);
         result->max_version = first ? version : std::max(result->max_version, version);
         first = false;
@@ -635,17 +659,18 @@ class GrpcPsClient final : public PsClient {
     return FromGrpcStatus(status, shard.name);
   }
 
-  absl::Status StatusOnce(int s, StatusResponse* out) {
+  absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {
     grpc::ClientContext context;
-    SetDeadline(&context);
+    SetDeadline(&context, cap);
     return FromGrpcStatus(shards_[s].stub->GetStatus(&context, StatusRequest(), out),
                           shards_[s].name);
   }
 
-  absl::StatusOr<std::vector<StatusResponse>> GetStatusOnce() {
+  // Every shard's status, each call ending by `cap` at the latest.
+  absl::StatusOr<std::vector<StatusResponse>> GetStatusOnce(absl::Time cap) {
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(
-        ForEachShard(plan_.num_shards(), [&](int s) { return StatusOnce(s, &out[s]); }));
+        ForEachShard(plan_.num_shards(), [&](int s) { return StatusOnce(s, &out[s], cap); }));
     return out;
   }
 
@@ -669,6 +694,12 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
     return absl::InvalidArgumentError(absl::StrCat("streams_per_shard is ",
                                                    options.streams_per_shard,
                                                    "; expected 1 to 64"));
+  }
+  if (options.rpc_timeout <= absl::ZeroDuration() ||
+      options.rpc_timeout == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rpc_timeout is ", absl::FormatDuration(options.rpc_timeout),
+                     "; expected a positive, finite deadline for each call (--rpc_timeout_s)"));
   }
   if (options.max_chunk_bytes < 4) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,

@@ -1,5 +1,11 @@
 // In-process cluster tests: three PS shards on ephemeral loopback ports in
 // this process, clients in threads, real gRPC in between.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -996,6 +1002,177 @@ TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
   EXPECT_EQ(pulled.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(pulled.status().message(), HasSubstr("ps shard 0 (127.0.0.1:1)"));
   EXPECT_THAT(pulled.status().message(), HasSubstr("3 attempts"));
+}
+
+// Options and tensors the client cannot use are refused before any call,
+// naming what is wrong.
+TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
+  const std::vector<VariableSpec> vars = {{"w", {3}}, {"b", {2}}};
+  GrpcPsClientOptions options;
+  options.ps_addresses = {"127.0.0.1:1"};
+  for (absl::Duration bad : {absl::ZeroDuration(), absl::Seconds(-5), absl::InfiniteDuration()}) {
+    options.rpc_timeout = bad;
+    auto client = CreateGrpcPsClient(vars, options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument)
+        << absl::FormatDuration(bad);
+    EXPECT_THAT(client.status().message(), HasSubstr("rpc_timeout"));
+  }
+  options.rpc_timeout = absl::Seconds(1);
+  auto client = CreateGrpcPsClient(vars, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  Tensors t = Make(vars, 0.0f);
+  std::vector<const float*> grads = t.cptrs();
+  grads[1] = nullptr;
+  std::vector<float*> out = t.ptrs();
+  out[0] = nullptr;
+  const absl::Status push = (*client)->Push(grads, {1, 0});
+  EXPECT_EQ(push.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(push.message(), HasSubstr("gradient of 'b' is null; expected 2 floats"));
+  const absl::Status reg = (*client)->Register(grads);
+  EXPECT_THAT(reg.message(), HasSubstr("initial values of 'b' is null"));
+  const absl::Status pull = (*client)->Pull(out).status();
+  EXPECT_EQ(pull.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(pull.message(), HasSubstr("output buffer of 'w' is null; expected 3 floats"));
+  EXPECT_THAT((*client)->PushPull(t.cptrs(), {1, 0}, out).status().message(),
+              HasSubstr("output buffer of 'w' is null"));
+}
+
+// A shard that lacks a variable the client expects there (restarted, or
+// given another model) is NOT_FOUND naming it, whatever the connections.
+TEST_F(PsClusterTest, PullOfAVariableTheShardLacksNamesIt) {
+  StartCluster(1, SgdLr1());
+  auto chief = Client({{"w", {8}}});
+  ASSERT_NE(chief, nullptr);
+  Tensors init = Make({{"w", {8}}}, 1.0f);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+  const std::vector<VariableSpec> more = {{"w", {8}}, {"extra", {4}}};
+  for (int streams : {1, 2}) {
+    auto client = Client(more, 16, 256 * 1024, 0, streams);  // 4 elements a message
+    ASSERT_NE(client, nullptr);
+    Tensors out = Make(more, 0.0f);
+    const absl::Status pulled = client->Pull(out.ptrs()).status();
+    EXPECT_EQ(pulled.code(), absl::StatusCode::kNotFound) << streams << ": " << pulled;
+    EXPECT_THAT(pulled.message(), HasSubstr("'extra'"));
+  }
+}
+
+// WaitForVariables ends when its own timeout does, also when each call
+// could wait longer (rpc_timeout) for a shard that never answers: a socket
+// that takes connections but never speaks HTTP/2.
+TEST_F(PsClusterTest, WaitForVariablesKeepsItsTimeoutAgainstASilentShard) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener, 16), 0);  // connections complete in the backlog, unanswered
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  GrpcPsClientOptions options;
+  options.ps_addresses = {absl::StrCat("127.0.0.1:", ntohs(addr.sin_port))};
+  options.rpc_timeout = absl::Seconds(120);
+  auto client = CreateGrpcPsClient({{"w", {3}}}, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const absl::Time start = absl::Now();
+  const absl::Status waited = (*client)->WaitForVariables(absl::Seconds(1));
+  const absl::Duration took = absl::Now() - start;
+  close(listener);
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  // Not a speed check: 1 s asked for, against the 120 s of one call (and
+  // the 20 s gRPC takes to give up on the connection).
+  EXPECT_LT(took, absl::Seconds(10));
+}
+
+// A PushPull client that writes but never reads the answers: the shard's
+// answers wait in a short queue, then the shard stops reading, and HTTP/2
+// flow control stops the client's writes. Before, the shard went on reading
+// and applying and kept every answer in memory.
+TEST_F(PsClusterTest, PushPullClientThatNeverReadsIsHeldBack) {
+  StartCluster(1, SgdLr1(), 1 << 20);
+  constexpr int64_t kElements = 1 << 18;  // 1 MiB
+  const std::vector<VariableSpec> vars = {{"big", {kElements}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  Tensors init = Make(vars, 0.0f);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+
+  PushRequest msg;
+  msg.mutable_header()->set_worker_id(1);  // request id 0: every message applied
+  Segment* seg = msg.add_segments();
+  seg->set_variable("big");
+  std::vector<float> ones(kElements, 1.0f);
+  seg->set_data(std::string(reinterpret_cast<const char*>(ones.data()), kElements * 4));
+  constexpr int kMessages = 256;  // 256 MiB, and as much again answered
+  grpc::ClientContext context;
+  auto stub = Stub(0);
+  auto stream = stub->PushPull(&context);
+  std::atomic<int> written{0};
+  std::thread writer([&] {
+    for (int i = 0; i < kMessages; ++i) {
+      if (!stream->Write(msg)) return;
+      msg.clear_header();
+      ++written;
+    }
+  });
+  // Wait until the writes stop moving (or all are done).
+  int seen = -1;
+  for (int i = 0; i < 600 && written.load() < kMessages; ++i) {
+    absl::SleepFor(absl::Milliseconds(200));
+    const int now = written.load();
+    if (now == seen && i >= 5) break;
+    seen = now;
+  }
+  const int held_at = written.load();
+  context.TryCancel();
+  writer.join();
+  stream->Finish();
+  EXPECT_LT(held_at, kMessages / 2) << "the shard kept reading a client that does not read";
+  EXPECT_GT(held_at, 0);
+}
+
+// A Pull naming huge amounts (many ranges over a big part, one element per
+// message) is streamed as it is read: nothing is planned ahead, so the
+// shard's memory does not grow with what the request names.
+TEST_F(PsClusterTest, PullOfManyLargeRangesIsStreamedWithoutPlanningAhead) {
+  StartCluster(1, SgdLr1());
+  constexpr int64_t kElements = 1 << 20;
+  const std::vector<VariableSpec> vars = {{"w", {kElements}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  Tensors init = Make(vars, 0.0f);
+  for (int64_t i = 0; i < kElements; ++i) init.data[0][i] = static_cast<float>(i % 1000);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  auto status = client->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  const int64_t resident_before = (*status)[0].resident_bytes();
+
+  PullRequest request;
+  for (int r = 0; r < 100; ++r) {  // 10^8 elements, a message each
+    PullRange* range = request.add_ranges();
+    range->set_variable("w");
+    range->set_count(kElements);
+  }
+  request.set_max_chunk_bytes(4);
+  grpc::ClientContext context;
+  auto stub = Stub(0);
+  auto reader = stub->Pull(&context, request);
+  PullResponse msg;
+  for (int i = 0; i < 2000; ++i) {
+    ASSERT_TRUE(reader->Read(&msg)) << "message " << i;
+    ASSERT_EQ(msg.segments_size(), 1);
+    ASSERT_EQ(msg.segments(0).offset(), i);
+    float value;
+    ASSERT_EQ(msg.segments(0).data().size(), 4u);
+    std::memcpy(&value, msg.segments(0).data().data(), 4);
+    ASSERT_EQ(value, static_cast<float>(i % 1000));
+  }
+  status = client->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  // A plan of the whole request would be 10^8 pieces, gigabytes.
+  EXPECT_LT((*status)[0].resident_bytes() - resident_before, int64_t{256} << 20);
+  context.TryCancel();
+  reader->Finish();
 }
 
 // Kubernetes probes use gRPC's standard health service.
