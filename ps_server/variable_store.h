@@ -38,8 +38,14 @@ struct VariableStoreOptions {
   bool allow_non_finite_gradients = false;  // NaN/Inf gradients are rejected by default
   // Largest segment (bytes of float data) accepted in one message.
   int64_t max_chunk_bytes = 4 << 20;
-  // Push request ids remembered for exactly-once retries.
+  // Push request ids remembered for exactly-once retries (at least 1), and
+  // about the most bytes their records may take. A finished push costs a bit
+  // per part; a push that left gaps in a part (sparse segments, a broken
+  // stream) keeps its ranges until it is complete. Beyond either bound the
+  // oldest ids are forgotten first: a retry of a forgotten id is applied as
+  // a new push.
   int request_ledger_size = 8192;
+  int64_t request_ledger_bytes = 32 << 20;
   // The most bytes of parameters and optimizer slots this shard holds. A
   // registration whose new parts would take it beyond that is refused with
   // RESOURCE_EXHAUSTED before anything is allocated (a malformed or mistaken
@@ -80,6 +86,8 @@ struct StoreStats {
   int64_t duplicate_elements = 0;  // skipped on a retried request id
   int64_t rejected_requests = 0;
   int64_t parameter_bytes = 0;
+  int64_t ledger_ids = 0;    // push request ids remembered
+  int64_t ledger_bytes = 0;  // about what their records take
 };
 
 struct RegisterResult {
@@ -117,6 +125,9 @@ class VariableStore {
     const std::unique_ptr<absl::Mutex[]> stripes;
     FloatBuffer params;
     std::vector<FloatBuffer> slots;
+    // Dense, in the order parts were added (set before the part is
+    // visible; never changes): its bit in a LedgerEntry's `complete`.
+    int64_t index = 0;
     // Pushes begun on this part; also the optimizer's step count for it. An
     // atomic, so that a push takes its step without waiting for a stripe
     // (which another push may hold while its optimizer runs).
@@ -142,8 +153,16 @@ class VariableStore {
       Ranges in_flight;  // one entry per session applying now, in no order; disjoint
     };
     absl::Mutex mu;
-    // node_hash_map: a waiting session keeps a pointer to its Progress.
+    // Parts this id has begun but not finished. node_hash_map: a session
+    // applying keeps a pointer to its Progress (the Progress is kept while
+    // its in_flight is not empty).
     absl::node_hash_map<const Part*, Progress> progress ABSL_GUARDED_BY(mu);
+    // Parts whose every element this id has applied, a bit per Part::index
+    // instead of a Progress: a model of many variables pushed under
+    // thousands of remembered ids costs the ledger bits, not tree nodes.
+    std::vector<uint64_t> complete ABSL_GUARDED_BY(mu);
+    int64_t bytes ABSL_GUARDED_BY(mu) = 0;  // about what the above take
+    bool evicted ABSL_GUARDED_BY(mu) = false;  // no longer counted in ledger_bytes_
   };
 
  public:
@@ -224,6 +243,9 @@ class VariableStore {
     PushSession(VariableStore* store, std::shared_ptr<LedgerEntry> entry)
         : store_(store), entry_(std::move(entry)) {}
     absl::StatusOr<Part*> Find(absl::string_view variable);
+    // Adds `delta` to the entry's bytes (and the store's, unless evicted);
+    // entry_->mu held.
+    void Account(int64_t delta);
     VariableStore* store_;
     std::shared_ptr<LedgerEntry> entry_;
     absl::Mutex cache_mu_;
@@ -267,9 +289,11 @@ class VariableStore {
   // registrations open at once cannot together exceed it.
   int64_t reserved_bytes_ ABSL_GUARDED_BY(parts_mu_) = 0;
 
-  absl::Mutex ledger_mu_;
+  mutable absl::Mutex ledger_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<LedgerEntry>> ledger_ ABSL_GUARDED_BY(ledger_mu_);
   std::deque<uint64_t> ledger_order_ ABSL_GUARDED_BY(ledger_mu_);
+  // The sum of the remembered entries' `bytes`.
+  std::atomic<int64_t> ledger_bytes_{0};
 
   std::atomic<int64_t> pushes_{0};
   std::atomic<int64_t> elements_applied_{0};

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -423,6 +424,76 @@ TEST(VariableStoreTest, LedgerForgetsTheOldestIds) {
   EXPECT_THAT(ReadAll(store.get(), "w", 1), ::testing::ElementsAre(-4.0f));
 }
 
+// A finished push costs the ledger a bit per part, not a record of ranges:
+// thousands of remembered ids over a model of many variables stay small,
+// and are still applied exactly once on retry.
+TEST(VariableStoreTest, FinishedPushesCostTheLedgerABitPerPart) {
+  auto store = SgdStore();
+  constexpr int kParts = 300;
+  constexpr int kPushes = 1000;
+  for (int p = 0; p < kParts; ++p) {
+    RegisterFilled(store.get(), Def(absl::StrCat("v", p), {3}, 0, 3), 0.0f);
+  }
+  const float g[3] = {1, 1, 1};
+  for (uint64_t id = 1; id <= kPushes; ++id) {
+    auto push = store->BeginPush({0, 0, 0, id});
+    for (int p = 0; p < kParts; ++p) {
+      // Two segments per part, the second completing it.
+      ASSERT_TRUE(push->Apply(absl::StrCat("v", p), 0, g, 2).ok());
+      ASSERT_TRUE(push->Apply(absl::StrCat("v", p), 2, g + 2, 1).ok());
+    }
+    push->Finish(absl::OkStatus());
+  }
+  const StoreStats stats = store->stats();
+  EXPECT_EQ(stats.ledger_ids, kPushes);
+  // 40 bytes of bits per id (300 parts), where a record per part would be
+  // 300 * 96 bytes or more.
+  EXPECT_LE(stats.ledger_bytes, kPushes * 40);
+  EXPECT_GT(stats.ledger_bytes, 0);
+  // The oldest id is still remembered: its retry changes nothing.
+  auto retry = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(retry->Apply("v7", 0, g, 3).ok());
+  EXPECT_EQ(retry->elements_skipped(), 3);
+  EXPECT_THAT(ReadAll(store.get(), "v7", 3), ::testing::Each(-float{kPushes}));
+  EXPECT_EQ(store->GetPart("v7")->version, kPushes);
+}
+
+// Pushes that leave gaps (sparse segments) keep ranges; the ledger forgets
+// the oldest ids to stay near request_ledger_bytes, and the newest are still
+// applied once.
+TEST(VariableStoreTest, LedgerStaysNearItsByteBound) {
+  VariableStoreOptions options;
+  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
+  options.optimizer.learning_rate = 1.0f;
+  options.request_ledger_bytes = 64 << 10;
+  auto created = VariableStore::Create(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  auto store = std::move(*created);
+  constexpr int64_t kElements = 2000;
+  RegisterFilled(store.get(), Def("w", {kElements}, 0, kElements), 0.0f);
+  const float g = 1;
+  constexpr uint64_t kPushes = 200;  // 1,000 ranges each: 24 KB or more per id
+  int64_t most = 0;
+  for (uint64_t id = 1; id <= kPushes; ++id) {
+    auto push = store->BeginPush({0, 0, 0, id});
+    for (int64_t e = 0; e < kElements; e += 2) ASSERT_TRUE(push->Apply("w", e, &g, 1).ok());
+    push->Finish(absl::OkStatus());
+    most = std::max(most, store->stats().ledger_bytes);
+  }
+  // The bound plus the one id that is always kept.
+  EXPECT_LE(most, (64 << 10) + 1000 * 64);
+  EXPECT_LT(store->stats().ledger_ids, static_cast<int64_t>(kPushes));
+  EXPECT_GE(store->stats().ledger_ids, 1);
+  // The newest id is remembered; the first was forgotten and applies again.
+  auto newest = store->BeginPush({0, 0, 0, kPushes});
+  ASSERT_TRUE(newest->Apply("w", 0, &g, 1).ok());
+  EXPECT_EQ(newest->elements_skipped(), 1);
+  auto first = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(first->Apply("w", 0, &g, 1).ok());
+  EXPECT_EQ(first->elements_applied(), 1);
+  EXPECT_EQ(ReadAll(store.get(), "w", 1)[0], -float{kPushes + 1});
+}
+
 TEST(VariableStoreTest, BadSegmentsChangeNothing) {
   auto store = SgdStore();
   RegisterFilled(store.get(), Def("w", {4}, 0, 4), 2.0f);
@@ -575,6 +646,12 @@ TEST(VariableStoreTest, CreateValidatesOptions) {
   options.shard_index = 0;
   options.optimizer.learning_rate = -1;
   EXPECT_EQ(VariableStore::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.optimizer.learning_rate = 0.1f;
+  ASSERT_TRUE(VariableStore::Create(options).ok());
+  options.request_ledger_size = 0;
+  const absl::Status no_ledger = VariableStore::Create(options).status();
+  EXPECT_EQ(no_ledger.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(no_ledger.message(), HasSubstr("request_ledger_size"));
 }
 
 }  // namespace
