@@ -67,7 +67,8 @@ ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "Most bytes of parameters and optimizer slots this shard holds; a registration "
           "beyond it is refused with RESOURCE_EXHAUSTED before anything is allocated (0 = the "
           "machine's memory, or the limit of this process's cgroup (container, Kubernetes pod) "
-          "where lower; -1 = no limit).");
+          "where lower, less a tenth (at least 64 MiB) for the rest of the process; -1 = no "
+          "limit).");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,
           "Accept gradients containing NaN or Inf (rejected with INVALID_ARGUMENT by default).");
 

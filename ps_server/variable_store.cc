@@ -163,6 +163,13 @@ class VariableStore::StripeLock {
   const bool exclusive_;
 };
 
+int64_t DefaultVariableBytes(int64_t memory_limit) {
+  if (memory_limit <= 0) return 0;
+  const int64_t room =
+      std::min(std::max<int64_t>(memory_limit / 10, int64_t{64} << 20), memory_limit / 2);
+  return memory_limit - room;
+}
+
 int64_t PartDefinition::num_elements() const {
   int64_t row = 1;
   for (size_t i = 1; i < variable_shape.size(); ++i) row *= variable_shape[i];
@@ -204,7 +211,7 @@ VariableStore::VariableStore(const VariableStoreOptions& options,
     : options_(options),
       optimizer_(std::move(optimizer)),
       max_variable_bytes_(options.max_variable_bytes > 0    ? options.max_variable_bytes
-                          : options.max_variable_bytes == 0 ? MemoryLimitBytes()
+                          : options.max_variable_bytes == 0 ? DefaultVariableBytes(MemoryLimitBytes())
                                                             : 0) {}
 
 VariableStore::~VariableStore() = default;

@@ -50,10 +50,17 @@ struct VariableStoreOptions {
   // registration whose new parts would take it beyond that is refused with
   // RESOURCE_EXHAUSTED before anything is allocated (a malformed or mistaken
   // shape must not make the server allocate, or touch, more than the
-  // machine has). 0: MemoryLimitBytes() (the machine's RAM, or the limit of
-  // the process's cgroup where that is lower); negative: no limit.
+  // machine has). 0: DefaultVariableBytes(MemoryLimitBytes()) (the machine's
+  // RAM, or the limit of the process's cgroup where that is lower, less
+  // room for the rest of the process); negative: no limit.
   int64_t max_variable_bytes = 0;
 };
+
+// The default bound on a shard's parameters and slots for a process that
+// may use `memory_limit` bytes (0: unknown, no bound): that less room for
+// what is not a variable (gRPC's buffers, the message pool, the ledger,
+// the allocator's slack), a tenth of it but at least 64 MiB and at most half.
+int64_t DefaultVariableBytes(int64_t memory_limit);
 
 // offset + count for error messages, without overflow on hostile input.
 inline int64_t RangeEnd(int64_t offset, int64_t count) {

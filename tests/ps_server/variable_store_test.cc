@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/process_stats.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -636,6 +637,18 @@ TEST(VariableStoreTest, PushesAcrossLockStripesLoseNoUpdate) {
     for (int t = 0; t < kThreads; ++t) covered += begins[t] <= i && i < ends[t];
     ASSERT_EQ(values[i], -1.0f * kRounds * covered) << "element " << i;
   }
+}
+
+TEST(VariableStoreTest, DefaultVariableBytesLeavesRoomForTheRestOfTheProcess) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  EXPECT_EQ(DefaultVariableBytes(16384 * kMiB), 16384 * kMiB - 16384 * kMiB / 10);
+  EXPECT_EQ(DefaultVariableBytes(512 * kMiB), 448 * kMiB);  // 64 MiB, more than a tenth
+  EXPECT_EQ(DefaultVariableBytes(100 * kMiB), 50 * kMiB);    // never more than half
+  EXPECT_EQ(DefaultVariableBytes(0), 0);                     // unknown: no bound
+  // The store resolves 0 to it.
+  auto store = SgdStore();
+  EXPECT_EQ(store->max_variable_bytes(), DefaultVariableBytes(MemoryLimitBytes()));
+  EXPECT_GT(store->max_variable_bytes(), 0);
 }
 
 TEST(VariableStoreTest, CreateValidatesOptions) {
