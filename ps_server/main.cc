@@ -23,6 +23,7 @@
 #include "common/cluster_spec.h"
 #include "common/flags_usage.h"
 #include "common/process_stats.h"
+#include "common/protobuf_log.h"
 #include "ps_server/grpc_ps_server.h"
 
 ABSL_FLAG(int, port, -1,
@@ -166,6 +167,9 @@ int main(int argc, char** argv) {
       "ps_server/main.cc");
   absl::ParseCommandLine(argc, argv);
   psflow::TuneAllocatorForLargeMessages();
+  // A request whose names are not UTF-8 makes protobuf log a line; a client
+  // sending many must not fill the shard's log.
+  psflow::LimitProtobufLog(10);
   // Debian's Abseil is built with Mutex deadlock detection on, which keeps a
   // lock graph on every acquisition of the hot path; our lock order is fixed.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
