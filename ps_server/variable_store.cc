@@ -83,6 +83,14 @@ FewRanges Uncovered(const RangeMap& done, int64_t begin, int64_t end) {
   return out;
 }
 
+// Whether a range of `ranges` overlaps [begin, end) or touches it at either
+// end (so that adding [begin, end) would merge with it).
+bool Touches(const RangeMap& ranges, int64_t begin, int64_t end) {
+  auto it = ranges.upper_bound(end);  // the first beginning after `end`
+  if (it == ranges.begin()) return false;
+  return std::prev(it)->second >= begin;  // the last beginning at or before `end`
+}
+
 // Adds [begin, end) to `ranges`, merging it with those it touches or overlaps.
 void AddRange(RangeMap* ranges, int64_t begin, int64_t end) {
   auto it = ranges->upper_bound(begin);
@@ -449,7 +457,12 @@ absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
 // ---- Push ----
 
 std::shared_ptr<VariableStore::LedgerEntry> VariableStore::LedgerFor(uint64_t request_id) {
-  if (request_id == 0) return std::make_shared<LedgerEntry>();  // no retry protection asked
+  if (request_id == 0) {  // no retry protection asked: a record of its own, never counted
+    auto entry = std::make_shared<LedgerEntry>();
+    absl::MutexLock entry_lock(&entry->mu);
+    entry->evicted = true;
+    return entry;
+  }
   absl::MutexLock lock(&ledger_mu_);
   auto [it, inserted] = ledger_.try_emplace(request_id);
   if (!inserted) return it->second;
@@ -457,11 +470,15 @@ std::shared_ptr<VariableStore::LedgerEntry> VariableStore::LedgerFor(uint64_t re
   it->second = entry;
   ledger_order_.push_back(request_id);
   // Forget the oldest ids beyond either bound (never the new one). Sessions
-  // still applying under a forgotten id keep its entry until they end.
-  while (ledger_order_.size() > 1 &&
-         (static_cast<int64_t>(ledger_order_.size()) > options_.request_ledger_size ||
-          ledger_bytes_.load() > options_.request_ledger_bytes)) {
+  // still applying under a forgotten id keep its entry until they end; the
+  // byte bound does not forget an id whose sessions are still applying (its
+  // retry would apply twice): that waits for a later id, after they end.
+  while (ledger_order_.size() > 1) {
     auto old = ledger_.find(ledger_order_.front());
+    const bool too_many =
+        static_cast<int64_t>(ledger_order_.size()) > options_.request_ledger_size;
+    const bool too_big = ledger_bytes_.load() > options_.request_ledger_bytes;
+    if (!too_many && !(too_big && old->second.use_count() == 1)) break;
     {
       absl::MutexLock entry_lock(&old->second->mu);
       old->second->evicted = true;
@@ -548,6 +565,20 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       if (created) Account(kProgressBytes);
       progress = &it->second;
       todo = Uncovered(progress->done, offset, offset + count);
+      // One id's record may take a quarter of the ledger's bytes: a push
+      // that leaves more gaps than that is refused before this segment is
+      // applied, so no client grows one record without end. Once applied,
+      // the segment merges with every range it touches, so only one that
+      // touches none adds a range.
+      const int64_t most = store_->options_.request_ledger_bytes / 4;
+      if (!todo.empty() && !Touches(progress->done, offset, offset + count) &&
+          entry_->bytes + kRangeBytes > most) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "push: the segments of this request id leave more gaps in '", variable,
+            "' and its other parts than ps shard ", store_->options_.shard_index,
+            " keeps track of (", most, " bytes of element ranges, about ", most / kRangeBytes,
+            "); send each part's elements in fewer, larger segments"));
+      }
       if (!todo.empty()) {
         // The whole segment, one entry however many pieces of it are new.
         progress->in_flight.emplace_back(offset, offset + count);

@@ -228,6 +228,8 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "Pull", "output buffer"));
     std::vector<PullResult> results(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      // Nothing to read there (an empty request would read all it holds).
+      if (shards_[s].parts.empty()) return absl::OkStatus();
       return RetryCall(options_.retry, [&] {
         std::vector<PullResult> parts(NumStreams(s));
         PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t) {

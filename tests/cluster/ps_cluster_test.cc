@@ -1056,6 +1056,30 @@ TEST_F(PsClusterTest, PullOfAVariableTheShardLacksNamesIt) {
   }
 }
 
+// A shard that holds none of this model's parts is not asked for anything
+// (an empty Pull request would read every part it holds, of other models).
+TEST_F(PsClusterTest, PullSkipsAShardWithoutPartsOfTheModel) {
+  StartCluster(2, SgdLr1());
+  const std::vector<VariableSpec> both = {{"a", {4}}, {"b", {4}}};
+  auto chief = Client(both);
+  ASSERT_NE(chief, nullptr);
+  ASSERT_EQ(chief->plan().PartsOnShard(1).size(), 1u);  // "b" there
+  ASSERT_TRUE(chief->Register(Make(both, 1.0f).cptrs()).ok());
+  const std::vector<VariableSpec> only_a = {{"a", {4}}};
+  auto client = Client(only_a);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->plan().PartsOnShard(1).empty());
+  auto before = client->GetStatus();
+  ASSERT_TRUE(before.ok()) << before.status();
+  Tensors out = Make(only_a, 0.0f);
+  ASSERT_TRUE(client->Pull(out.ptrs()).ok());
+  EXPECT_THAT(out.data[0], ::testing::Each(1.0f));
+  auto after = client->GetStatus();
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ((*after)[1].bytes_sent(), (*before)[1].bytes_sent());
+  EXPECT_GT((*after)[0].bytes_sent(), (*before)[0].bytes_sent());
+}
+
 // WaitForVariables ends when its own timeout does, also when each call
 // could wait longer (rpc_timeout) for a shard that never answers: a socket
 // that takes connections but never speaks HTTP/2.
