@@ -34,6 +34,13 @@ struct PsServerOptions {
   // With applier threads: messages of one push applied at once (each on its
   // own element range); 1 applies them one after another, in order.
   int apply_window = 4;
+  // A peer that vanishes without closing its connection (its machine or
+  // network gone) would hold its calls, and what they reserved, until their
+  // deadlines, or for ever without one: every connection is pinged each
+  // keepalive_time, also while a call is stalled, and dropped when a ping
+  // goes keepalive_timeout unanswered (its calls end as broken streams).
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(10);
   // Extra gRPC channel arguments of the server ("grpc.http2.lookahead_bytes"
   // and the like), for tuning experiments; a value that parses as an
   // integer is passed as one, else as a string.

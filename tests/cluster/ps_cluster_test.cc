@@ -2,6 +2,7 @@
 // this process, clients in threads, real gRPC in between.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -1197,6 +1198,124 @@ TEST_F(PsClusterTest, PullOfManyLargeRangesIsStreamedWithoutPlanningAhead) {
   EXPECT_LT((*status)[0].resident_bytes() - resident_before, int64_t{256} << 20);
   context.TryCancel();
   reader->Finish();
+}
+
+// A TCP forwarder for one connection that can be frozen: it then stops
+// moving bytes but keeps both sockets open, as a peer whose machine or
+// network vanished does (no FIN, no RST).
+class FreezableProxy {
+ public:
+  explicit FreezableProxy(int target_port) : target_port_(target_port) {
+    listener_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(listener_, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    listen(listener_, 4);
+    socklen_t len = sizeof addr;
+    getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~FreezableProxy() {
+    stop_ = true;
+    thread_.join();
+    for (int fd : {listener_, client_, server_}) {
+      if (fd >= 0) close(fd);
+    }
+  }
+  int port() const { return port_; }
+  void Freeze() { frozen_ = true; }
+
+ private:
+  void Run() {
+    pollfd accept_fd{listener_, POLLIN, 0};
+    while (!stop_ && poll(&accept_fd, 1, 50) <= 0) {
+    }
+    if (stop_) return;
+    client_ = accept(listener_, nullptr, nullptr);
+    server_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(target_port_));
+    if (connect(server_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return;
+    std::vector<char> buf(1 << 16);
+    while (!stop_) {
+      if (frozen_) {
+        absl::SleepFor(absl::Milliseconds(20));
+        continue;
+      }
+      pollfd fds[2] = {{client_, POLLIN, 0}, {server_, POLLIN, 0}};
+      if (poll(fds, 2, 20) <= 0) continue;
+      for (int i = 0; i < 2; ++i) {
+        if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        const ssize_t n = read(fds[i].fd, buf.data(), buf.size());
+        if (n <= 0) return;
+        const int to = i == 0 ? server_ : client_;
+        for (ssize_t off = 0; off < n;) {
+          const ssize_t w = write(to, buf.data() + off, n - off);
+          if (w <= 0) return;
+          off += w;
+        }
+      }
+    }
+  }
+
+  const int target_port_;
+  int listener_ = -1, client_ = -1, server_ = -1;
+  int port_ = 0;
+  std::atomic<bool> stop_{false}, frozen_{false};
+  std::thread thread_;
+};
+
+// A pusher whose connection goes silent mid-push (no FIN, no RST) and whose
+// call has a long deadline: the shard's keepalive pings go unanswered, the
+// shard drops the connection, and the push ends as a broken stream, long
+// before the client's deadline.
+TEST_F(PsClusterTest, ShardDropsAPeerThatWentSilent) {
+  PsServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.store.optimizer = SgdLr1();
+  // The defaults are 30 s and 10 s; short here to keep the test short.
+  options.keepalive_time = absl::Milliseconds(500);
+  options.keepalive_timeout = absl::Milliseconds(500);
+  auto started = PsServer::Start(options);
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<PsServer> server = std::move(*started);
+  addresses_ = {server->client_address()};
+  auto client = Client({{"w", {8}}});
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(Make({{"w", {8}}}, 0.0f).cptrs()).ok());
+
+  FreezableProxy proxy(server->port());
+  auto stub = ParameterServer::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", proxy.port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  PushResponse response;
+  auto writer = stub->Push(&context, &response);
+  PushRequest msg;
+  msg.mutable_header()->set_request_id(77);
+  Segment* seg = msg.add_segments();
+  seg->set_variable("w");
+  const std::vector<float> ones(4, 1.0f);
+  seg->set_data(std::string(reinterpret_cast<const char*>(ones.data()), 16));
+  ASSERT_TRUE(writer->Write(msg));
+  // The first half is applied; then the peer goes silent.
+  for (int i = 0; i < 500 && server->store().stats().elements_applied < 4; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(server->store().stats().elements_applied, 4);
+  proxy.Freeze();
+  bool dropped = false;
+  for (int i = 0; i < 300 && !dropped; ++i) {  // up to 30 s of the call's 120
+    absl::SleepFor(absl::Milliseconds(100));
+    dropped = server->store().stats().rejected_requests == 1;
+  }
+  EXPECT_TRUE(dropped) << "the shard still waits on a peer that went silent";
+  context.TryCancel();
+  writer->Finish();
 }
 
 // Kubernetes probes use gRPC's standard health service.
