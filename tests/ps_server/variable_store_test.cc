@@ -29,13 +29,15 @@ namespace {
 
 using ::testing::HasSubstr;
 
-std::unique_ptr<VariableStore> SgdStore(int shard = 0, int shards = 1, int ledger = 8192) {
+std::unique_ptr<VariableStore> SgdStore(int shard = 0, int shards = 1, int ledger = 8192,
+                                        int64_t ledger_bytes = 32 << 20) {
   VariableStoreOptions options;
   options.shard_index = shard;
   options.num_shards = shards;
   options.optimizer.kind = OptimizerOptions::Kind::kSgd;
   options.optimizer.learning_rate = 1.0f;
   options.request_ledger_size = ledger;
+  options.request_ledger_bytes = ledger_bytes;
   auto store = VariableStore::Create(options);
   EXPECT_TRUE(store.ok()) << store.status();
   return std::move(*store);
@@ -463,13 +465,7 @@ TEST(VariableStoreTest, FinishedPushesCostTheLedgerABitPerPart) {
 // the oldest ids to stay near request_ledger_bytes, and the newest are still
 // applied once.
 TEST(VariableStoreTest, LedgerStaysNearItsByteBound) {
-  VariableStoreOptions options;
-  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
-  options.optimizer.learning_rate = 1.0f;
-  options.request_ledger_bytes = 64 << 10;
-  auto created = VariableStore::Create(options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  auto store = std::move(*created);
+  auto store = SgdStore(0, 1, 8192, /*ledger_bytes=*/64 << 10);
   constexpr int64_t kElements = 1000;
   RegisterFilled(store.get(), Def("w", {kElements}, 0, kElements), 0.0f);
   const float g = 1;
@@ -499,13 +495,7 @@ TEST(VariableStoreTest, LedgerStaysNearItsByteBound) {
 // leaving more gaps is refused before the segment that would pass it, and
 // what came before stays applied (as after any bad segment).
 TEST(VariableStoreTest, PushLeavingTooManyGapsIsResourceExhausted) {
-  VariableStoreOptions options;
-  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
-  options.optimizer.learning_rate = 1.0f;
-  options.request_ledger_bytes = 64 << 10;  // 16 KiB a record: some 680 ranges
-  auto created = VariableStore::Create(options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  auto store = std::move(*created);
+  auto store = SgdStore(0, 1, 8192, /*ledger_bytes=*/64 << 10);  // 16 KiB a record: ~680 ranges
   constexpr int64_t kElements = 4000;
   RegisterFilled(store.get(), Def("w", {kElements}, 0, kElements), 0.0f);
   const float g = 1;
