@@ -653,6 +653,7 @@ int main(int argc, char** argv) {
   auto kind = psflow::server::ParseOptimizerKind(absl::GetFlag(FLAGS_optimizer));
   if (!kind.ok()) Die(std::string(kind.status().message()));
   optimizer_options.kind = *kind;
+  optimizer_options.learning_rate = psflow::server::DefaultLearningRate(*kind);  // as ps_server
   auto optimizer = psflow::server::Optimizer::Create(optimizer_options);
   if (!optimizer.ok()) Die(std::string(optimizer.status().message()));
   auto print = [&](const char* xport, const std::string& shards, const char* op,

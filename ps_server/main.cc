@@ -8,6 +8,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,7 +37,9 @@ ABSL_FLAG(int, num_shards, -1,
           "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1).");
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer applied to pushed gradients: adam|sgd|adagrad.");
-ABSL_FLAG(double, learning_rate, 0.001, "Learning rate of the optimizer.");
+ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
+          "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
+          "0.001 for adam and adagrad).");
 ABSL_FLAG(std::string, learning_rate_schedule, "constant",
           "How the learning rate changes with the update count: constant|cosine|exponential "
           "(Keras' CosineDecay and ExponentialDecay, counted per variable part).");
@@ -89,20 +92,21 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   auto kind = psflow::server::ParseOptimizerKind(absl::GetFlag(FLAGS_optimizer));
   if (!kind.ok()) return kind.status();
   opt.kind = *kind;
-  opt.learning_rate = static_cast<float>(absl::GetFlag(FLAGS_learning_rate));
+  opt.learning_rate = absl::GetFlag(FLAGS_learning_rate)
+                          .value_or(psflow::server::DefaultLearningRate(opt.kind));
   auto schedule = psflow::server::ParseScheduleKind(absl::GetFlag(FLAGS_learning_rate_schedule));
   if (!schedule.ok()) return schedule.status();
   opt.schedule.kind = *schedule;
   opt.schedule.decay_steps = absl::GetFlag(FLAGS_decay_steps);
-  opt.schedule.alpha = static_cast<float>(absl::GetFlag(FLAGS_cosine_alpha));
-  opt.schedule.decay_rate = static_cast<float>(absl::GetFlag(FLAGS_decay_rate));
+  opt.schedule.alpha = absl::GetFlag(FLAGS_cosine_alpha);
+  opt.schedule.decay_rate = absl::GetFlag(FLAGS_decay_rate);
   opt.schedule.staircase = absl::GetFlag(FLAGS_staircase);
-  opt.beta_1 = static_cast<float>(absl::GetFlag(FLAGS_beta_1));
-  opt.beta_2 = static_cast<float>(absl::GetFlag(FLAGS_beta_2));
-  opt.epsilon = static_cast<float>(absl::GetFlag(FLAGS_epsilon));
-  opt.momentum = static_cast<float>(absl::GetFlag(FLAGS_momentum));
+  opt.beta_1 = absl::GetFlag(FLAGS_beta_1);
+  opt.beta_2 = absl::GetFlag(FLAGS_beta_2);
+  opt.epsilon = absl::GetFlag(FLAGS_epsilon);
+  opt.momentum = absl::GetFlag(FLAGS_momentum);
   opt.nesterov = absl::GetFlag(FLAGS_nesterov);
-  opt.initial_accumulator_value = static_cast<float>(absl::GetFlag(FLAGS_initial_accumulator_value));
+  opt.initial_accumulator_value = absl::GetFlag(FLAGS_initial_accumulator_value);
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.store.max_variable_bytes = absl::GetFlag(FLAGS_max_variable_bytes);

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -42,7 +43,7 @@ void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
     const float vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);
+    p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);  // Keras: (m * alpha) / ...
   }
 }
 
@@ -111,15 +112,18 @@ class Adam final : public Optimizer {
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
     const char* grad = static_cast<const char*>(grad_data);
-    // Bias correction folded into the step size, as Keras does; in double
-    // so that 1 - beta^t keeps its digits for large t.
-    const double t = static_cast<double>(step);
-    const double alpha = ScheduledLearningRate(o_, step) *
-                         std::sqrt(1.0 - std::pow(static_cast<double>(o_.beta_2), t)) /
-                         (1.0 - std::pow(static_cast<double>(o_.beta_1), t));
-    AdamKernel(param, slots[0], slots[1], grad, n, static_cast<float>(alpha),
-               static_cast<float>(1.0 - o_.beta_1), static_cast<float>(1.0 - o_.beta_2),
-               o_.epsilon);
+    // Bias correction folded into the step size, in float32 and in Keras's
+    // order of operations: local_step = float(iterations + 1),
+    // beta^local_step with float beta, alpha = lr * sqrt(1 - beta_2^t) /
+    // (1 - beta_1^t). 1 - beta is Python (double) arithmetic there, rounded
+    // when it meets the float32 tensor.
+    const float t = static_cast<float>(step);
+    const float beta_1_power = std::pow(static_cast<float>(o_.beta_1), t);
+    const float beta_2_power = std::pow(static_cast<float>(o_.beta_2), t);
+    const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
+    const float alpha = lr * std::sqrt(1.0f - beta_2_power) / (1.0f - beta_1_power);
+    AdamKernel(param, slots[0], slots[1], grad, n, alpha, static_cast<float>(1.0 - o_.beta_1),
+               static_cast<float>(1.0 - o_.beta_2), static_cast<float>(o_.epsilon));
   }
 
  private:
@@ -129,7 +133,7 @@ class Adam final : public Optimizer {
 class Sgd final : public Optimizer {
  public:
   explicit Sgd(const OptimizerOptions& o) : o_(o) {}
-  int num_slots() const override { return o_.momentum > 0.0f ? 1 : 0; }
+  int num_slots() const override { return o_.momentum > 0.0 ? 1 : 0; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
     return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s%s)", o_.learning_rate,
@@ -140,13 +144,14 @@ class Sgd final : public Optimizer {
              int64_t n) const override {
     const char* grad = static_cast<const char*>(grad_data);
     const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
-    if (o_.momentum == 0.0f) {
+    const float momentum = static_cast<float>(o_.momentum);
+    if (o_.momentum == 0.0) {
       // Keras skips the momentum slot entirely here, nesterov or not.
       SgdKernel(param, grad, n, lr);
     } else if (o_.nesterov) {
-      SgdNesterovKernel(param, slots[0], grad, n, lr, o_.momentum);
+      SgdNesterovKernel(param, slots[0], grad, n, lr, momentum);
     } else {
-      SgdMomentumKernel(param, slots[0], grad, n, lr, o_.momentum);
+      SgdMomentumKernel(param, slots[0], grad, n, lr, momentum);
     }
   }
 
@@ -158,7 +163,9 @@ class Adagrad final : public Optimizer {
  public:
   explicit Adagrad(const OptimizerOptions& o) : o_(o) {}
   int num_slots() const override { return 1; }
-  float slot_initial_value(int) const override { return o_.initial_accumulator_value; }
+  float slot_initial_value(int) const override {
+    return static_cast<float>(o_.initial_accumulator_value);
+  }
   std::string DebugString() const override {
     return absl::StrFormat("adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g%s)",
                            o_.learning_rate, o_.initial_accumulator_value, o_.epsilon,
@@ -168,30 +175,43 @@ class Adagrad final : public Optimizer {
              int64_t n) const override {
     const char* grad = static_cast<const char*>(grad_data);
     AdagradKernel(param, slots[0], grad, n, static_cast<float>(ScheduledLearningRate(o_, step)),
-                  o_.epsilon);
+                  static_cast<float>(o_.epsilon));
   }
 
  private:
   const OptimizerOptions o_;
 };
 
-// The comparisons are written so that NaN fails them.
-absl::Status CheckPositive(const char* field, float value) {
-  if (std::isfinite(value) && value > 0.0f) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrFormat(
-      "optimizer option %s must be finite and > 0, got %g", field, value));
+// The comparisons are written so that NaN fails them. The options are
+// doubles, as Keras's are; the kernels round them to float32, so a value that
+// is fine as a double but becomes 0 or infinite in float32 (1e-50, 1e300) is
+// refused too, with the value as given.
+bool FinitePositiveInFloat(double value) {
+  // The range check comes first: converting a double beyond the float range
+  // is undefined behaviour.
+  return value > 0.0 && value <= std::numeric_limits<float>::max() &&
+         static_cast<float>(value) > 0.0f;
 }
 
-absl::Status CheckNonNegative(const char* field, float value) {
-  if (std::isfinite(value) && value >= 0.0f) return absl::OkStatus();
+absl::Status CheckPositive(const char* field, double value) {
+  if (FinitePositiveInFloat(value)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
-      "optimizer option %s must be finite and >= 0, got %g", field, value));
+      "optimizer option %s must be finite and > 0 (also as a float32, from %g to %g), got %g",
+      field, std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max(), value));
 }
 
-absl::Status CheckUnitInterval(const char* field, float value) {
-  if (value >= 0.0f && value < 1.0f) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrFormat("optimizer option %s must be in [0, 1), got %g", field, value));
+absl::Status CheckNonNegative(const char* field, double value) {
+  if (value == 0.0 || FinitePositiveInFloat(value)) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "optimizer option %s must be finite and >= 0 (also as a float32), got %g", field, value));
+}
+
+// [0, 1), and below 1 also once rounded to float32 (0.99999999 is not).
+absl::Status CheckBeta(const char* field, double value) {
+  if (value >= 0.0 && value < 1.0 && static_cast<float>(value) < 1.0f) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "optimizer option %s must be in [0, 1) (and below 1 as a float32, at most %.9g), got %.17g",
+      field, static_cast<double>(std::nextafter(1.0f, 0.0f)), value));
 }
 
 absl::Status ValidateSchedule(const LearningRateSchedule& s) {
@@ -205,7 +225,7 @@ absl::Status ValidateSchedule(const LearningRateSchedule& s) {
     return absl::InvalidArgumentError(absl::StrCat(
         "learning-rate schedule needs decay_steps > 0, got ", s.decay_steps));
   }
-  if (s.kind == Kind::kCosine && !(s.alpha >= 0.0f && s.alpha <= 1.0f)) {
+  if (s.kind == Kind::kCosine && !(s.alpha >= 0.0 && s.alpha <= 1.0)) {
     return absl::InvalidArgumentError(
         absl::StrFormat("cosine schedule alpha must be in [0, 1], got %g", s.alpha));
   }
@@ -218,11 +238,13 @@ absl::Status Validate(const OptimizerOptions& o) {
   if (absl::Status s = ValidateSchedule(o.schedule); !s.ok()) return s;
   switch (o.kind) {
     case OptimizerOptions::Kind::kAdam:
-      if (absl::Status s = CheckUnitInterval("beta_1", o.beta_1); !s.ok()) return s;
-      if (absl::Status s = CheckUnitInterval("beta_2", o.beta_2); !s.ok()) return s;
+      if (absl::Status s = CheckBeta("beta_1", o.beta_1); !s.ok()) return s;
+      if (absl::Status s = CheckBeta("beta_2", o.beta_2); !s.ok()) return s;
       return CheckPositive("epsilon", o.epsilon);
     case OptimizerOptions::Kind::kSgd:
-      return CheckUnitInterval("momentum", o.momentum);
+      if (o.momentum >= 0.0 && o.momentum <= 1.0) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "optimizer option momentum must be in [0, 1], got %g", o.momentum));
     case OptimizerOptions::Kind::kAdagrad:
       if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
       return CheckNonNegative("initial_accumulator_value", o.initial_accumulator_value);
@@ -254,6 +276,10 @@ std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {
   return "unknown";
 }
 
+double DefaultLearningRate(OptimizerOptions::Kind kind) {
+  return kind == OptimizerOptions::Kind::kSgd ? 0.01 : 0.001;
+}
+
 absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name) {
   if (name == "constant") return LearningRateSchedule::Kind::kConstant;
   if (name == "cosine") return LearningRateSchedule::Kind::kCosine;
@@ -276,7 +302,7 @@ double ScheduledLearningRate(const OptimizerOptions& o, int64_t step) {
   }
   double p = done / d;
   if (s.staircase) p = std::floor(p);
-  return lr * std::pow(static_cast<double>(s.decay_rate), p);
+  return lr * std::pow(s.decay_rate, p);
 }
 
 Optimizer::~Optimizer() = default;

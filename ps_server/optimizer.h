@@ -1,12 +1,15 @@
 // Optimizer kernels the parameter server applies to incoming gradients.
 //
-// The update rules are exactly those of tf.keras.optimizers (Keras 2.11+ and
-// Keras 3) in float32:
+// The update rules are exactly those of tf.keras.optimizers (Keras 3, run
+// eagerly) in float32, rounded where Keras rounds, so that the parameters
+// match Keras's bit for bit (tests/ps_server/keras_golden.py):
 //
 //   Adam:    t = step, alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
 //            m += (g - m) * (1 - beta_1)
 //            v += (g * g - v) * (1 - beta_2)
-//            p -= alpha * m / (sqrt(v) + epsilon)
+//            p -= m * alpha / (sqrt(v) + epsilon)
+//            (t, beta^t and alpha in float32; 1 - beta in double, then
+//            rounded, as Keras's Python arithmetic does)
 //   SGD:     momentum == 0:  p -= lr * g
 //            otherwise:      m = momentum * m - lr * g
 //                            nesterov: p += momentum * m - lr * g
@@ -21,7 +24,14 @@
 //   cosine:       lr * ((1 - alpha) * 0.5 * (1 + cos(pi * min(s, D) / D)) + alpha)
 //   exponential:  lr * decay_rate^(s / D), s / D floored when staircase
 // with s = step - 1 and D = decay_steps (tf.keras.optimizers.schedules
-// CosineDecay and ExponentialDecay).
+// CosineDecay and ExponentialDecay). The schedule is computed in double and
+// rounded once, so a scheduled rate may differ from Keras's float32 one in
+// the last bit.
+//
+// Every hyper-parameter is a double, as Keras's are Python floats; each is
+// rounded to float32 where Keras rounds it. The kernels are compiled without
+// floating-point contraction (-ffp-contract=off): a fused multiply-add
+// rounds once where Keras rounds twice.
 //
 // The kernels are the PS's hot loop: each element is read and written once,
 // vectorized for AVX-512 / AVX2+FMA with a baseline x86-64 fallback chosen at
@@ -45,9 +55,9 @@ struct LearningRateSchedule {
   // Cosine and exponential: steps over which the rate decays; > 0.
   int64_t decay_steps = 0;
   // Cosine: the final rate as a fraction of the initial one, in [0, 1].
-  float alpha = 0.0f;
+  double alpha = 0.0;
   // Exponential: the factor per decay_steps, finite and > 0.
-  float decay_rate = 0.96f;
+  double decay_rate = 0.96;
   bool staircase = false;
 };
 
@@ -55,20 +65,24 @@ struct OptimizerOptions {
   enum class Kind { kAdam, kSgd, kAdagrad };
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
-  // Step size; all kinds. Must be finite and > 0. The initial rate when a
-  // schedule is set.
-  float learning_rate = 0.001f;
+  // Step size; all kinds. Must be finite and > 0, also in float32. The
+  // initial rate when a schedule is set. (Keras's default is 0.001 for Adam
+  // and Adagrad, 0.01 for SGD: see DefaultLearningRate.)
+  double learning_rate = 0.001;
   LearningRateSchedule schedule;
-  // Adam's decay rates of the first and second moments, each in [0, 1).
-  float beta_1 = 0.9f, beta_2 = 0.999f;
-  // Added to the denominator; Adam and Adagrad. Must be finite and > 0.
-  float epsilon = 1e-7f;
-  // SGD momentum in [0, 1); 0 means plain SGD without a slot. Nesterov is
-  // accepted with momentum 0 (as Keras does) and then equals plain SGD.
-  float momentum = 0.0f;
+  // Adam's decay rates of the first and second moments, each in [0, 1), also
+  // in float32.
+  double beta_1 = 0.9, beta_2 = 0.999;
+  // Added to the denominator; Adam and Adagrad. Must be finite and > 0, also
+  // in float32.
+  double epsilon = 1e-7;
+  // SGD momentum in [0, 1] (Keras's range); 0 means plain SGD without a slot.
+  // Nesterov is accepted with momentum 0 (as Keras does) and then equals
+  // plain SGD.
+  double momentum = 0.0;
   bool nesterov = false;
-  // Adagrad's starting accumulator value; finite and >= 0.
-  float initial_accumulator_value = 0.1f;
+  // Adagrad's starting accumulator value; finite and >= 0, also in float32.
+  double initial_accumulator_value = 0.1;
 };
 
 // "adam", "sgd" or "adagrad" (exact, lower case). INVALID_ARGUMENT otherwise,
@@ -77,6 +91,9 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name)
 
 // Returns the lower-case name ParseOptimizerKind accepts for `kind`.
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
+
+// Keras's default learning rate for `kind`: 0.01 for SGD, 0.001 otherwise.
+double DefaultLearningRate(OptimizerOptions::Kind kind);
 
 // "constant", "cosine" or "exponential"; INVALID_ARGUMENT listing the choices.
 absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name);

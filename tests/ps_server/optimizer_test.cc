@@ -1,5 +1,6 @@
-// Checks the optimizer kernels against the tf.keras.optimizers formulas,
-// evaluated independently here in double precision, and by hand.
+// Checks the optimizer kernels against what Keras itself computed (bit for
+// bit, keras_golden.inc), against the tf.keras.optimizers formulas evaluated
+// independently here in double precision, and by hand.
 #include "ps_server/optimizer.h"
 
 #include <algorithm>
@@ -136,28 +137,28 @@ std::vector<Case> AllCases() {
   OptimizerOptions adam;  // Keras defaults
   cases.push_back({"adam_default", adam, AdamReference});
   OptimizerOptions adam2;
-  adam2.learning_rate = 0.01f;
-  adam2.beta_1 = 0.5f;
-  adam2.beta_2 = 0.9f;
-  adam2.epsilon = 1e-3f;  // comparable to sqrt(v): catches a misplaced epsilon
+  adam2.learning_rate = 0.01;
+  adam2.beta_1 = 0.5;
+  adam2.beta_2 = 0.9;
+  adam2.epsilon = 1e-3;  // comparable to sqrt(v): catches a misplaced epsilon
   cases.push_back({"adam_custom", adam2, AdamReference, 1e-3});
   OptimizerOptions sgd;
   sgd.kind = Kind::kSgd;
-  sgd.learning_rate = 0.05f;
+  sgd.learning_rate = 0.05;
   cases.push_back({"sgd_plain", sgd, SgdReference});
   OptimizerOptions momentum = sgd;
-  momentum.momentum = 0.9f;
+  momentum.momentum = 0.9;
   cases.push_back({"sgd_momentum", momentum, SgdReference});
   OptimizerOptions nesterov = momentum;
   nesterov.nesterov = true;
   cases.push_back({"sgd_nesterov", nesterov, SgdReference});
   OptimizerOptions adagrad;
   adagrad.kind = Kind::kAdagrad;
-  adagrad.learning_rate = 0.1f;
+  adagrad.learning_rate = 0.1;
   cases.push_back({"adagrad_default", adagrad, AdagradReference});
   OptimizerOptions adagrad2 = adagrad;
-  adagrad2.initial_accumulator_value = 0.0f;
-  adagrad2.epsilon = 1e-4f;  // with acc0 = 0, epsilon is a visible share of acc
+  adagrad2.initial_accumulator_value = 0.0;
+  adagrad2.epsilon = 1e-4;  // with acc0 = 0, epsilon is a visible share of acc
   cases.push_back({"adagrad_custom", adagrad2, AdagradReference, 1e-2});
   return cases;
 }
@@ -173,6 +174,108 @@ TEST(OptimizerTest, AdamBiasCorrectionUsesTheGivenStep) {
   for (const Case& c : AllCases()) {
     if (c.options.kind == Kind::kAdam) RunAgainstReference(c, 257, 3, /*first_step=*/100);
   }
+}
+
+// ---- Bit for bit against Keras 3 (keras_golden.py ran the real thing). ----
+
+struct Golden {
+  const char* name;
+  int64_t iterations;  // the Keras optimizer's count before the first update
+  uint32_t bits[64];   // float32 parameters after kGoldenSteps updates
+};
+constexpr int64_t kGoldenN = 64;
+constexpr int kGoldenSteps = 5;
+const Golden kGolden[] = {
+#include "keras_golden.inc"
+};
+
+// The inputs keras_golden.py feeds Keras; every value is a small integer
+// times a power of two, so both sides start from the same floats.
+float GoldenParam(int64_t i) { return static_cast<float>((i * 37) % 64 - 32) / 32.0f; }
+float GoldenGrad(int step, int64_t i) {
+  const float g = static_cast<float>((i * 13 + step * 29 + 7) % 61 - 30) / 32.0f;
+  return i < kGoldenN / 2 ? std::ldexp(g, -14) : g;
+}
+
+OptimizerOptions GoldenOptions(const std::string& name) {
+  OptimizerOptions o;  // adam_default, adam_late: Keras's defaults
+  if (name == "adam_custom") {
+    o.learning_rate = 0.01;
+    o.beta_1 = 0.5;
+    o.beta_2 = 0.9;
+    o.epsilon = 1e-3;
+  } else if (name.rfind("sgd_", 0) == 0) {
+    o.kind = Kind::kSgd;
+    o.learning_rate = 0.05;
+    if (name != "sgd_plain") o.momentum = 0.9;
+    o.nesterov = name == "sgd_nesterov";
+  } else if (name.rfind("adagrad_", 0) == 0) {
+    o.kind = Kind::kAdagrad;
+    o.learning_rate = 0.1;
+    if (name == "adagrad_custom") {
+      o.initial_accumulator_value = 0.0;
+      o.epsilon = 1e-4;
+    }
+  } else {
+    EXPECT_TRUE(name == "adam_default" || name == "adam_late") << "unknown golden case " << name;
+  }
+  return o;
+}
+
+TEST(OptimizerTest, EqualsKerasBitForBit) {
+  ASSERT_EQ(std::size(kGolden), 8u);
+  for (const Golden& want : kGolden) {
+    SCOPED_TRACE(want.name);
+    std::unique_ptr<Optimizer> opt = MustCreate(GoldenOptions(want.name));
+    ASSERT_NE(opt, nullptr);
+    // Once in one call per step, once split at element 37 (vector loop
+    // tails, a gradient at an odd byte offset): both must be exact.
+    for (bool split : {false, true}) {
+      std::vector<float> p(kGoldenN);
+      std::vector<std::vector<float>> slots(opt->num_slots());
+      std::vector<float*> slot_ptrs;
+      for (int s = 0; s < opt->num_slots(); ++s) {
+        slots[s].assign(kGoldenN, opt->slot_initial_value(s));
+        slot_ptrs.push_back(slots[s].data());
+      }
+      for (int64_t i = 0; i < kGoldenN; ++i) p[i] = GoldenParam(i);
+      std::vector<char> grad_bytes(4 * kGoldenN + 1);
+      for (int step = 0; step < kGoldenSteps; ++step) {
+        for (int64_t i = 0; i < kGoldenN; ++i) {
+          const float g = GoldenGrad(step, i);
+          std::memcpy(grad_bytes.data() + 1 + 4 * i, &g, 4);
+        }
+        const char* grad = grad_bytes.data() + 1;
+        const int64_t t = want.iterations + step + 1;
+        const int64_t cut = split ? 37 : kGoldenN;
+        opt->Apply(t, p.data(), slot_ptrs.data(), grad, cut);
+        if (split) {
+          std::vector<float*> rest;
+          for (float* s : slot_ptrs) rest.push_back(s + cut);
+          opt->Apply(t, p.data() + cut, rest.data(), grad + 4 * cut, kGoldenN - cut);
+        }
+      }
+      int mismatches = 0;
+      for (int64_t i = 0; i < kGoldenN; ++i) {
+        uint32_t got;
+        std::memcpy(&got, &p[i], 4);
+        if (got != want.bits[i] && ++mismatches <= 3) {
+          float w;
+          std::memcpy(&w, &want.bits[i], 4);
+          ADD_FAILURE() << "split=" << split << " param[" << i << "] = " << p[i]
+                        << ", Keras " << w << " (bits " << std::hex << got << " vs "
+                        << want.bits[i] << std::dec << ")";
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << "split=" << split;
+    }
+  }
+}
+
+TEST(OptimizerTest, DefaultLearningRatesAreKeras) {
+  EXPECT_EQ(DefaultLearningRate(Kind::kAdam), 0.001);
+  EXPECT_EQ(DefaultLearningRate(Kind::kSgd), 0.01);
+  EXPECT_EQ(DefaultLearningRate(Kind::kAdagrad), 0.001);
 }
 
 TEST(OptimizerTest, ZeroElementsIsANoOp) {
@@ -202,12 +305,15 @@ TEST(OptimizerTest, AdamFirstStepMovesByLearningRateTimesSign) {
   EXPECT_NEAR(p[0], 0.999, 2e-7);
   EXPECT_NEAR(p[1], 1.001, 2e-7);
   EXPECT_EQ(p[2], 1.0f);
-  // 1 - beta is taken from the float32 hyper-parameters (as Keras 2.11 does):
-  // 1 - 0.9f = 0.1 * (1 + 2.4e-7) and 1 - 0.999f = 0.001 * (1 - 1.3e-5).
-  EXPECT_NEAR(m[0], 0.2, 0.2 * 1e-6);
-  EXPECT_NEAR(m[1], -0.05, 0.05 * 1e-6);
-  EXPECT_NEAR(v[0], 0.004, 0.004 * 2e-5);
-  EXPECT_NEAR(v[1], 0.00025, 0.00025 * 2e-5);
+  // 1 - beta is Python arithmetic in Keras, on the double hyper-parameter,
+  // rounded to float32 only then: float(1 - 0.9) = 0.1f and float(1 - 0.999)
+  // = 0.001f. (From the float32 betas it would be 1 - 0.9f = 0.1 * (1 +
+  // 2.4e-7) and 1 - 0.999f = 0.001 * (1 - 1.3e-5).) g and 1/4 are powers of
+  // two times small integers, so the moments are exactly these floats:
+  EXPECT_EQ(m[0], 0.2f);
+  EXPECT_EQ(m[1], -0.05f);
+  EXPECT_EQ(v[0], 0.004f);
+  EXPECT_EQ(v[1], 0.00025f);
   EXPECT_EQ(v[2], 0.0f);
 }
 
@@ -219,9 +325,9 @@ TEST(OptimizerTest, SgdMomentumAndNesterovByHand) {
   //   plain:    p2 = -0.2
   OptimizerOptions o;
   o.kind = Kind::kSgd;
-  o.learning_rate = 0.1f;
+  o.learning_rate = 0.1;
   for (auto [mu, nesterov, want] :
-       {std::tuple{0.9f, false, -0.29}, {0.9f, true, -0.461}, {0.0f, false, -0.2}}) {
+       {std::tuple{0.9, false, -0.29}, {0.9, true, -0.461}, {0.0, false, -0.2}}) {
     o.momentum = mu;
     o.nesterov = nesterov;
     std::unique_ptr<Optimizer> opt = MustCreate(o);
@@ -237,8 +343,8 @@ TEST(OptimizerTest, AdagradByHand) {
   // lr 0.1, acc0 = 7, g = 3: acc = 16, p -= 0.1 * 3 / sqrt(16 + 1e-7) = 0.075.
   OptimizerOptions o;
   o.kind = Kind::kAdagrad;
-  o.learning_rate = 0.1f;
-  o.initial_accumulator_value = 7.0f;
+  o.learning_rate = 0.1;
+  o.initial_accumulator_value = 7.0;
   std::unique_ptr<Optimizer> opt = MustCreate(o);
   float p = 1.0f, acc = opt->slot_initial_value(0), g = 3.0f;
   float* slots[] = {&acc};
@@ -273,11 +379,11 @@ TEST(OptimizerTest, SlotsPerKind) {
   EXPECT_EQ(MustCreate(o)->slot_initial_value(1), 0.0f);
   o.kind = Kind::kSgd;
   EXPECT_EQ(MustCreate(o)->num_slots(), 0);
-  o.momentum = 0.5f;
+  o.momentum = 0.5;
   EXPECT_EQ(MustCreate(o)->num_slots(), 1);
   EXPECT_EQ(MustCreate(o)->slot_initial_value(0), 0.0f);
   o.kind = Kind::kAdagrad;
-  o.initial_accumulator_value = 0.25f;
+  o.initial_accumulator_value = 0.25;
   EXPECT_EQ(MustCreate(o)->num_slots(), 1);
   EXPECT_EQ(MustCreate(o)->slot_initial_value(0), 0.25f);
 }
@@ -287,8 +393,8 @@ TEST(OptimizerTest, DebugString) {
             "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)");
   OptimizerOptions o;
   o.kind = Kind::kSgd;
-  o.learning_rate = 0.01f;
-  o.momentum = 0.9f;
+  o.learning_rate = 0.01;
+  o.momentum = 0.9;
   o.nesterov = true;
   EXPECT_EQ(MustCreate(o)->DebugString(), "sgd(learning_rate=0.01, momentum=0.9, nesterov=true)");
   o.kind = Kind::kAdagrad;
@@ -320,17 +426,21 @@ void ExpectInvalid(const OptimizerOptions& o, const std::string& field, const st
 }
 
 TEST(OptimizerTest, RejectsBadOptions) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  const float inf = std::numeric_limits<float>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
   for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
-    for (float lr : {0.0f, -0.1f, nan, inf}) {
+    // 1e300 and 1e-50 are fine doubles but infinite or 0 as the float32 the
+    // kernels use.
+    for (double lr : {0.0, -0.1, nan, inf, 1e300, 1e-50}) {
       OptimizerOptions o;
       o.kind = k;
       o.learning_rate = lr;
       ExpectInvalid(o, "learning_rate", "> 0");
     }
   }
-  for (float beta : {-0.1f, 1.0f, 1.5f, nan}) {
+  // 0.99999999 is below 1, but rounds to 1.0f: Adam's bias correction would
+  // divide by zero.
+  for (double beta : {-0.1, 1.0, 1.5, nan, 0.99999999}) {
     OptimizerOptions o;
     o.beta_1 = beta;
     ExpectInvalid(o, "beta_1", "[0, 1)");
@@ -339,20 +449,20 @@ TEST(OptimizerTest, RejectsBadOptions) {
     ExpectInvalid(o, "beta_2", "[0, 1)");
   }
   for (Kind k : {Kind::kAdam, Kind::kAdagrad}) {
-    for (float eps : {0.0f, -1e-7f, nan, inf}) {
+    for (double eps : {0.0, -1e-7, nan, inf, 1e-50}) {
       OptimizerOptions o;
       o.kind = k;
       o.epsilon = eps;
       ExpectInvalid(o, "epsilon", "> 0");
     }
   }
-  for (float mu : {-0.5f, 1.0f, nan}) {
+  for (double mu : {-0.5, 1.5, nan}) {
     OptimizerOptions o;
     o.kind = Kind::kSgd;
     o.momentum = mu;
-    ExpectInvalid(o, "momentum", "[0, 1)");
+    ExpectInvalid(o, "momentum", "[0, 1]");
   }
-  for (float acc : {-0.1f, nan, inf}) {
+  for (double acc : {-0.1, nan, inf, 1e300}) {
     OptimizerOptions o;
     o.kind = Kind::kAdagrad;
     o.initial_accumulator_value = acc;
@@ -362,18 +472,22 @@ TEST(OptimizerTest, RejectsBadOptions) {
 
 TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
   OptimizerOptions o;
-  o.beta_1 = 0.0f;
-  o.beta_2 = 0.0f;
+  o.beta_1 = 0.0;
+  o.beta_2 = 0.0;
+  EXPECT_TRUE(Optimizer::Create(o).ok());
+  o.beta_2 = 0.9999999;  // 0.99999988 as a float32: still below 1
   EXPECT_TRUE(Optimizer::Create(o).ok());
   o = {};
   o.kind = Kind::kSgd;
   o.nesterov = true;  // Keras accepts nesterov with momentum 0.
-  o.beta_1 = 7.0f;    // not an SGD field
-  o.epsilon = -1.0f;  // not an SGD field
+  o.beta_1 = 7.0;     // not an SGD field
+  o.epsilon = -1.0;   // not an SGD field
+  EXPECT_TRUE(Optimizer::Create(o).ok());
+  o.momentum = 1.0;  // Keras's range for momentum is [0, 1]
   EXPECT_TRUE(Optimizer::Create(o).ok());
   o.kind = Kind::kAdagrad;
-  o.epsilon = 1e-7f;
-  o.initial_accumulator_value = 0.0f;
+  o.epsilon = 1e-7;
+  o.initial_accumulator_value = 0.0;
   EXPECT_TRUE(Optimizer::Create(o).ok());
 }
 
@@ -406,11 +520,11 @@ TEST(OptimizerTest, CosineScheduleByHand) {
   // CosineDecay(0.01, decay_steps=4, alpha=0.2), evaluated at step - 1:
   //   s=0: 0.01;  s=2: 0.01 * (0.8 * 0.5 + 0.2) = 0.006;  s>=4: 0.002.
   OptimizerOptions o;
-  o.learning_rate = 0.01f;
+  o.learning_rate = 0.01;
   o.schedule.kind = LearningRateSchedule::Kind::kCosine;
   o.schedule.decay_steps = 4;
-  o.schedule.alpha = 0.2f;
-  const double lr = static_cast<double>(0.01f), alpha = static_cast<double>(0.2f);
+  o.schedule.alpha = 0.2;
+  const double lr = 0.01, alpha = 0.2;
   EXPECT_NEAR(ScheduledLearningRate(o, 1), lr, 1e-12);
   EXPECT_NEAR(ScheduledLearningRate(o, 2), lr * ((1 - alpha) * 0.5 * (1 + std::cos(M_PI / 4)) + alpha),
               1e-12);
@@ -424,11 +538,11 @@ TEST(OptimizerTest, CosineScheduleByHand) {
 TEST(OptimizerTest, ExponentialScheduleByHand) {
   // ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5): 0.1 * 0.5^(s/10).
   OptimizerOptions o;
-  o.learning_rate = 0.1f;
+  o.learning_rate = 0.1;
   o.schedule.kind = LearningRateSchedule::Kind::kExponential;
   o.schedule.decay_steps = 10;
-  o.schedule.decay_rate = 0.5f;
-  const double lr = static_cast<double>(0.1f);
+  o.schedule.decay_rate = 0.5;
+  const double lr = 0.1;
   EXPECT_NEAR(ScheduledLearningRate(o, 1), lr, 1e-12);
   EXPECT_NEAR(ScheduledLearningRate(o, 6), lr * std::pow(0.5, 0.5), 1e-12);
   EXPECT_NEAR(ScheduledLearningRate(o, 21), lr * 0.25, 1e-12);
@@ -442,7 +556,7 @@ TEST(OptimizerTest, EveryKindAppliesTheScheduledRate) {
   // Plain SGD and Adagrad with a schedule step exactly as with the constant
   // rate the schedule gives at that step; Adam's step size scales with it.
   OptimizerOptions o;
-  o.learning_rate = 0.5f;
+  o.learning_rate = 0.5;
   o.schedule.kind = LearningRateSchedule::Kind::kCosine;
   o.schedule.decay_steps = 2;
   const int64_t step = 2;  // s = 1: half way, rate 0.25
@@ -450,8 +564,8 @@ TEST(OptimizerTest, EveryKindAppliesTheScheduledRate) {
     OptimizerOptions scheduled = o, fixed = o;
     scheduled.kind = fixed.kind = k;
     fixed.schedule = {};
-    fixed.learning_rate = static_cast<float>(ScheduledLearningRate(o, step));
-    ASSERT_NEAR(fixed.learning_rate, 0.25f, 1e-7f);
+    fixed.learning_rate = ScheduledLearningRate(o, step);
+    ASSERT_NEAR(fixed.learning_rate, 0.25, 1e-7);
     std::unique_ptr<Optimizer> a = MustCreate(scheduled), b = MustCreate(fixed);
     std::vector<float> pa = {1, -2, 3}, pb = pa, g = {0.5f, 0.25f, -1};
     std::vector<float> sa0(3, a->slot_initial_value(0)), sa1(3, 0.0f), sb0 = sa0, sb1 = sa1;
@@ -476,16 +590,16 @@ TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
   o.schedule.kind = LearningRateSchedule::Kind::kCosine;
   ExpectInvalid(o, "decay_steps", "> 0");
   o.schedule.decay_steps = 100;
-  o.schedule.alpha = 1.5f;
+  o.schedule.alpha = 1.5;
   ExpectInvalid(o, "alpha", "[0, 1]");
-  o.schedule.alpha = 0.0f;
+  o.schedule.alpha = 0.0;
   EXPECT_EQ(MustCreate(o)->DebugString(),
             "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
             "schedule=cosine(decay_steps=100, alpha=0))");
   o.schedule.kind = LearningRateSchedule::Kind::kExponential;
-  o.schedule.decay_rate = 0.0f;
+  o.schedule.decay_rate = 0.0;
   ExpectInvalid(o, "decay_rate", "> 0");
-  o.schedule.decay_rate = 0.5f;
+  o.schedule.decay_rate = 0.5;
   o.kind = Kind::kSgd;
   EXPECT_EQ(MustCreate(o)->DebugString(),
             "sgd(learning_rate=0.001, momentum=0, nesterov=false, "
