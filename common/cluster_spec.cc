@@ -9,6 +9,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,15 @@ constexpr char kExpectedTypes[] = "chief, worker, ps, evaluator or master";
 constexpr char kExpectedAddress[] =
     "expected \"host:port\" with a port in 1..65535, \"[ipv6]:port\" or \"unix:path\"";
 
+// A TF_CONFIG nests 3 deep ({"cluster": {"ps": [...]}}); protobuf's JSON
+// parser takes time that grows with the square of the depth of nested lists
+// (112 s for 60,000 levels), so deeper input is refused before parsing.
+constexpr int kMaxJsonDepth = 16;
+
+// `s` in double quotes, with C escapes for quotes, backslashes, control and
+// non-ASCII bytes: the message stays one intact, printable line.
+std::string Quoted(absl::string_view s) { return absl::StrCat("\"", absl::CHexEscape(s), "\""); }
+
 // "master" is TF1's name for the chief.
 std::optional<Job> ParseJobName(absl::string_view name) {
   if (name == "master") return kChief;
@@ -43,11 +53,18 @@ std::optional<Job> ParseJobName(absl::string_view name) {
 
 // Where a value came from: a TF_CONFIG key or a flag, for error messages.
 struct Origin {
+  Origin() = default;
+  Origin(bool from_flag, std::string key, std::string description = "")
+      : from_flag(from_flag), key(std::move(key)), description(std::move(description)) {}
+
   bool from_flag = false;
   std::string key;  // "cluster.worker" / "worker_hosts"
+  // Set for a value that is a binary's default, not a flag or a key.
+  std::string description;
 
   // `"cluster.worker[1]"` or `--worker_hosts entry 1`.
   std::string Name() const {
+    if (!description.empty()) return description;
     return from_flag ? absl::StrCat("--", key) : absl::StrCat("\"", key, "\"");
   }
   std::string ItemName(size_t i) const {
@@ -106,7 +123,7 @@ absl::Status ParseClusterJobs(const Value& cluster, Draft* d) {
     const std::optional<Job> job = ParseJobName(name);
     if (!job) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "TF_CONFIG: unknown job \"%s\" in \"cluster\"; expected %s", name, kExpectedTypes));
+          "TF_CONFIG: unknown job %s in \"cluster\"; expected %s", Quoted(name), kExpectedTypes));
     }
     if (d->has_job[*job]) {
       return absl::InvalidArgumentError(
@@ -167,7 +184,39 @@ absl::Status ParseTask(const Value& task, Draft* d) {
   return absl::OkStatus();
 }
 
+// The deepest nesting of lists and objects in `json`, outside strings;
+// stops counting once past kMaxJsonDepth. Malformed input is the parser's
+// to report.
+absl::Status CheckJsonDepth(absl::string_view json) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < json.size(); ++i) {
+    const char c = json[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "TF_CONFIG nests lists or objects more than %d deep (at byte %d); expected a "
+            "TF_CONFIG like {\"cluster\": {\"ps\": [\"host:port\"]}, \"task\": {...}}, "
+            "3 deep",
+            kMaxJsonDepth, i));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
+  PSFLOW_RETURN_IF_ERROR(CheckJsonDepth(json));
   Struct root;
   google::protobuf::util::JsonParseOptions options;
   const auto status = google::protobuf::util::JsonStringToMessage(
@@ -183,6 +232,11 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
                      "\"task\": {\"type\": \"worker\", \"index\": 0}}"));
   }
   // Other top-level keys ("environment", "rpc_layer", ...) are not ours.
+  if (root.fields().contains("sparseCluster") && !root.fields().contains("cluster")) {
+    return absl::InvalidArgumentError(
+        "TF_CONFIG has \"sparseCluster\" (TFJob's enableDynamicWorker mode) and no "
+        "\"cluster\"; psflow needs the full \"cluster\": set enableDynamicWorker to false");
+  }
   if (auto it = root.fields().find("cluster"); it != root.fields().end()) {
     PSFLOW_RETURN_IF_ERROR(ParseClusterJobs(it->second, d));
   }
@@ -201,17 +255,17 @@ absl::Status ApplyHostsFlag(absl::string_view flag, absl::string_view value, Job
     item = absl::StripAsciiWhitespace(item);
     if (item.empty()) {
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s is empty (in \"%s\"); expected a comma-separated list of \"host:port\" addresses",
-          origin.ItemName(i), value));
+          "%s is empty (in %s); expected a comma-separated list of \"host:port\" addresses",
+          origin.ItemName(i), Quoted(value)));
     }
     hosts.emplace_back(item);
     ++i;
   }
   if (job == kChief && hosts.size() > 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "--%s is \"%s\"; expected exactly one \"host:port\" address (a cluster has at most "
+        "--%s is %s; expected exactly one \"host:port\" address (a cluster has at most "
         "one chief)",
-        flag, value));
+        flag, Quoted(value)));
   }
   d->jobs[job] = std::move(hosts);
   d->has_job[job] = true;
@@ -225,11 +279,13 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("chief_host", flags.chief_host, kChief, d));
   if (!flags.task_type.empty()) {
     d->task_type = flags.task_type;
-    d->type_origin = {true, "task_type"};
+    d->type_origin = flags.task_type_flag.empty()
+                         ? Origin{true, "", flags.task_type_default}
+                         : Origin{true, flags.task_type_flag};
   }
   if (flags.task_index >= 0) {
     d->task_index = flags.task_index;
-    d->index_origin = {true, "task_index"};
+    d->index_origin = {true, flags.task_index_flag};
   }
   return absl::OkStatus();
 }
@@ -252,7 +308,7 @@ std::string AddressProblem(absl::string_view address) {
       const bool ok = i < percent ? (absl::ascii_isxdigit(c) || c == ':' || c == '.')
                                   : (i == percent || absl::ascii_isalnum(c) || c == '-' ||
                                      c == '_' || c == '.');
-      if (!ok) return absl::StrFormat("has '%c' in its IPv6 address", c);
+      if (!ok) return absl::StrFormat("has '%s' in its IPv6 address", absl::CHexEscape({&c, 1}));
     }
     if (close + 1 >= address.size() || address[close + 1] != ':') return "has no \":port\"";
     port = address.substr(close + 2);
@@ -265,33 +321,39 @@ std::string AddressProblem(absl::string_view address) {
     if (host.find(':') != absl::string_view::npos) return "has an IPv6 host without [brackets]";
     for (char c : host) {
       if (!absl::ascii_isalnum(c) && c != '-' && c != '.' && c != '_') {
-        return absl::StrFormat("has '%c' in its host name", c);
+        return absl::StrFormat("has '%s' in its host name", absl::CHexEscape({&c, 1}));
       }
     }
   }
   if (port.empty()) return "has an empty port";
   if (!std::all_of(port.begin(), port.end(), [](char c) { return absl::ascii_isdigit(c); })) {
-    return absl::StrFormat("has port \"%s\", which is not a number", port);
+    return absl::StrFormat("has port %s, which is not a number", Quoted(port));
   }
   int value = 0;
   if (port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
-    return absl::StrFormat("has port %s, outside 1..65535", port);
+    return absl::StrFormat("has port %s, outside 1..65535", Quoted(port));
   }
   return "";
 }
 
-// Validates the merged draft. `flags_possible` says whether the flags could
-// have supplied a missing piece (ResolveCluster) or not (FromTfConfig).
-absl::StatusOr<ClusterSpec> Finish(const Draft& d, bool flags_possible) {
+// Validates the merged draft. `flags` is the binary's flags, which could have
+// supplied a missing piece (ResolveCluster), or nullptr (FromTfConfig).
+absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
+  const bool flags_possible = flags != nullptr;
   const bool any_job =
       std::any_of(std::begin(d.has_job), std::end(d.has_job), [](bool b) { return b; });
   if (!any_job) {
+    if (flags_possible) {
+      std::vector<std::string> names;
+      for (const std::string& f : flags->hosts_flags) names.push_back(absl::StrCat("--", f));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "no cluster description: TF_CONFIG is unset or has no \"cluster\", and ",
+          names.size() == 1 ? absl::StrCat(names[0], " was not given")
+                            : absl::StrCat("none of ", absl::StrJoin(names, ", "), " was given")));
+    }
     return absl::InvalidArgumentError(
-        flags_possible
-            ? "no cluster description: TF_CONFIG is unset or has no \"cluster\", and none of "
-              "--ps_hosts, --worker_hosts, --chief_host was given"
-            : "TF_CONFIG: missing \"cluster\"; expected e.g. {\"cluster\": {\"worker\": "
-              "[\"host:port\"], \"ps\": [\"host:port\"]}, \"task\": {...}}");
+        "TF_CONFIG: missing \"cluster\"; expected e.g. {\"cluster\": {\"worker\": "
+        "[\"host:port\"], \"ps\": [\"host:port\"]}, \"task\": {...}}");
   }
   if (d.jobs[kChief].size() > 1) {
     return absl::InvalidArgumentError(
@@ -304,15 +366,16 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, bool flags_possible) {
       const std::string& address = d.jobs[j][i];
       const std::string problem = AddressProblem(address);
       if (!problem.empty()) {
-        return absl::InvalidArgumentError(absl::StrFormat("%s is \"%s\", which %s; %s",
-                                                          d.job_origin[j].ItemWhere(i), address,
-                                                          problem, kExpectedAddress));
+        return absl::InvalidArgumentError(absl::StrFormat("%s is %s, which %s; %s",
+                                                          d.job_origin[j].ItemWhere(i),
+                                                          Quoted(address), problem,
+                                                          kExpectedAddress));
       }
       auto [it, inserted] = seen.emplace(address, d.job_origin[j].ItemName(i));
       if (!inserted) {
         return absl::InvalidArgumentError(absl::StrFormat(
-            "%s is \"%s\", the same address as %s; expected every task to have its own address",
-            d.job_origin[j].ItemWhere(i), address, it->second));
+            "%s is %s, the same address as %s; expected every task to have its own address",
+            d.job_origin[j].ItemWhere(i), Quoted(address), it->second));
       }
     }
   }
@@ -320,25 +383,32 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, bool flags_possible) {
   if (!d.task_type) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s; expected one of %s",
-        flags_possible
-            ? "no task type: TF_CONFIG has no \"task.type\" and --task_type was not given"
+        flags_possible && !flags->task_type_flag.empty()
+            ? absl::StrCat("no task type: TF_CONFIG has no \"task.type\" and --",
+                           flags->task_type_flag, " was not given")
             : "TF_CONFIG: missing \"task.type\"",
         kExpectedTypes));
   }
   const std::optional<Job> job = ParseJobName(*d.task_type);
   if (!job) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is \"%s\"; expected %s", d.type_origin.Where(), *d.task_type, kExpectedTypes));
+        "%s is %s; expected %s", d.type_origin.Where(), Quoted(*d.task_type), kExpectedTypes));
   }
   const int size = static_cast<int>(d.jobs[*job].size());
-  if (size == 0) {
+  // TFJob (and TensorFlow's own examples) leave the evaluator out of the
+  // cluster: it trains nothing and serves nothing. TensorFlow's resolver
+  // accepts that; so do we, for index 0.
+  const bool lone_evaluator = *job == kEvaluator && size == 0 && d.task_index.value_or(0) == 0;
+  if (size == 0 && !lone_evaluator) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that is "
         "in the cluster",
         d.type_origin.Where(), *d.task_type, kJobNames[*job]));
   }
   int64_t index = 0;
-  if (d.task_index) {
+  if (lone_evaluator) {
+    // index 0, checked above
+  } else if (d.task_index) {
     index = *d.task_index;
     if (index < 0 || index >= size) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -348,8 +418,8 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, bool flags_possible) {
   } else if (size > 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: cluster \"%s\" has %d addresses; expected an index in 0..%d",
-        flags_possible ? "no task index: TF_CONFIG has no \"task.index\" and --task_index was "
-                         "not given"
+        flags_possible ? absl::StrCat("no task index: TF_CONFIG has no \"task.index\" and --",
+                                      flags->task_index_flag, " was not given")
                        : "TF_CONFIG: missing \"task.index\"",
         kJobNames[*job], size, size - 1));
   }
@@ -376,16 +446,18 @@ absl::StatusOr<ClusterSpec> ClusterSpec::FromTfConfig(std::string_view std_json)
   }
   Draft draft;
   PSFLOW_RETURN_IF_ERROR(ParseTfConfig(json, &draft));
-  return Finish(draft, /*flags_possible=*/false);
+  return Finish(draft, /*flags=*/nullptr);
 }
 
 absl::StatusOr<ClusterSpec> ResolveCluster(const char* tf_config, const ClusterFlags& flags) {
   Draft draft;
-  if (tf_config != nullptr && !absl::StripAsciiWhitespace(tf_config).empty()) {
-    PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
-  }
+  if (!TfConfigAbsent(tf_config)) PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
   PSFLOW_RETURN_IF_ERROR(ApplyFlags(flags, &draft));
-  return Finish(draft, /*flags_possible=*/true);
+  return Finish(draft, &flags);
+}
+
+bool TfConfigAbsent(const char* tf_config) {
+  return tf_config == nullptr || absl::StripAsciiWhitespace(tf_config).empty();
 }
 
 int ClusterSpec::num_replicas() const { return static_cast<int>(chief.size() + worker.size()); }

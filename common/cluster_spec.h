@@ -10,12 +10,17 @@
 // Accepted: the jobs "chief", "worker", "ps", "evaluator" and TF1's "master"
 // (read as "chief", also as a task type); unknown top-level keys and unknown
 // keys inside "task" are ignored (TFJob writes "environment", some writers
-// "rpc_layer"). Rejected: any other job name, a job that is not a list of
-// strings, more than one chief, a task type missing from the cluster, an
-// index out of range, an address that is not "host:port" (port 1..65535;
-// "[v6addr]:port" and "unix:path" are also accepted), an address listed twice.
+// "rpc_layer"). An "evaluator" task (index 0) need not be in the cluster:
+// TFJob leaves it out, as TensorFlow's resolver allows. Rejected: any other
+// job name, a job that is not a list of strings, more than one chief, any
+// other task type missing from the cluster, an index out of range, an
+// address that is not "host:port" (port 1..65535; "[v6addr]:port" and
+// "unix:path" are also accepted), an address listed twice, JSON nested
+// deeper than 16 (a TF_CONFIG needs 3), and TFJob's "sparseCluster" (its
+// dynamic-worker mode), which is named as such.
 // When "task.index" is absent it is 0 if the task's job has one address, and
-// an error otherwise.
+// an error otherwise. Strings from the input are quoted in messages with
+// C escapes, so a control byte cannot cut or garble a message.
 //
 // Every error is INVALID_ARGUMENT and names the key or flag at fault, the
 // value received and what was expected, e.g.
@@ -72,7 +77,21 @@ struct ClusterFlags {
   std::string chief_host;    // --chief_host: one "host:port"
   std::string task_type;     // --task_type: chief|worker|ps|evaluator|master
   int task_index = -1;       // --task_index
+
+  // How errors name the pieces above, for a binary whose flags differ:
+  // ps_server calls its index --shard_index, has no --task_type and no
+  // worker or chief hosts flags.
+  std::string task_index_flag = "task_index";
+  // Empty: task_type, when given, is the binary's own default, described by
+  // task_type_default (e.g. "ps_server's task type").
+  std::string task_type_flag = "task_type";
+  std::string task_type_default;
+  std::vector<std::string> hosts_flags = {"ps_hosts", "worker_hosts", "chief_host"};
 };
+
+// True when `tf_config` (getenv("TF_CONFIG")) is unset, empty or blank, which
+// ResolveCluster reads as "no TF_CONFIG".
+bool TfConfigAbsent(const char* tf_config);
 
 // Reads `tf_config` (the value of the TF_CONFIG variable; nullptr, empty or
 // blank means absent), then lets each given flag replace its part: a hosts

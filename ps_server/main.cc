@@ -17,9 +17,8 @@
 #include "absl/flags/parse.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
 #include "common/cluster_spec.h"
 #include "common/flags_usage.h"
@@ -27,14 +26,18 @@
 #include "common/protobuf_log.h"
 #include "ps_server/grpc_ps_server.h"
 
-ABSL_FLAG(int, port, -1,
-          "Port to listen on (0 picks a free one). Default: the port of this task's address "
-          "in TF_CONFIG / --ps_hosts, else 2222.");
+ABSL_FLAG(std::optional<int>, port, std::nullopt,
+          "Port to listen on, on all interfaces (0 picks a free one). Default: the port of "
+          "this task's address in TF_CONFIG / --ps_hosts (a unix:path address is listened on "
+          "as it is), else 2222.");
 ABSL_FLAG(std::string, address, "",
           "Full listen address instead of --port, e.g. 0.0.0.0:2222 or unix:/tmp/ps0.sock.");
-ABSL_FLAG(int, shard_index, -1, "This shard's index (default: TF_CONFIG task.index, else 0).");
-ABSL_FLAG(int, num_shards, -1,
-          "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1).");
+ABSL_FLAG(std::optional<int>, shard_index, std::nullopt,
+          "This shard's index (default: TF_CONFIG task.index, else 0 if the ps list has one "
+          "address; required otherwise).");
+ABSL_FLAG(std::optional<int>, num_shards, std::nullopt,
+          "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1; when "
+          "given with a ps list, it must agree).");
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, optimizer, "adam", "Optimizer applied to pushed gradients: adam|sgd|adagrad.");
 ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
@@ -82,7 +85,8 @@ using psflow::server::PsServer;
 using psflow::server::PsServerOptions;
 
 int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "ps_server: %s\n", std::string(status.ToString()).c_str());
+  const std::string line = absl::StrCat("ps_server: ", status.ToString(), "\n");
+  std::fwrite(line.data(), 1, line.size(), stderr);
   return 1;
 }
 
@@ -122,17 +126,36 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   options.grpc_args = std::move(*grpc_args);
 
   // Identity: TF_CONFIG and --ps_hosts, then the explicit flags.
-  int shard_index = 0, num_shards = 1, port = 2222;
+  const std::optional<int> shard_flag = absl::GetFlag(FLAGS_shard_index);
+  const std::optional<int> shards_flag = absl::GetFlag(FLAGS_num_shards);
+  const std::optional<int> port_flag = absl::GetFlag(FLAGS_port);
+  if (shard_flag && *shard_flag < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--shard_index=", *shard_flag, "; expected 0 or more"));
+  }
+  if (shards_flag && *shards_flag < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--num_shards=", *shards_flag, "; expected 1 or more"));
+  }
+  if (port_flag && (*port_flag < 0 || *port_flag > 65535)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port=", *port_flag, "; expected 0..65535 (0 picks a free port)"));
+  }
+  int shard_index = 0, num_shards = 1;
+  std::string listen = "0.0.0.0:2222";
   const char* tf_config = std::getenv("TF_CONFIG");
-  const bool have_cluster = (tf_config != nullptr && *tf_config != '\0') ||
-                            !absl::GetFlag(FLAGS_ps_hosts).empty();
-  if (have_cluster) {
+  const bool no_tf_config = psflow::TfConfigAbsent(tf_config);
+  if (!no_tf_config || !absl::GetFlag(FLAGS_ps_hosts).empty()) {
     psflow::ClusterFlags flags;
     flags.ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
-    if (absl::GetFlag(FLAGS_shard_index) >= 0) {
+    flags.task_index_flag = "shard_index";
+    flags.task_type_flag = "";  // ps_server has no --task_type
+    flags.hosts_flags = {"ps_hosts"};
+    if (shard_flag || no_tf_config) {
       flags.task_type = "ps";
-      flags.task_index = absl::GetFlag(FLAGS_shard_index);
+      flags.task_type_default = "ps_server's task type";
     }
+    if (shard_flag) flags.task_index = *shard_flag;
     auto cluster = psflow::ResolveCluster(tf_config, flags);
     if (!cluster.ok()) return cluster.status();
     if (cluster->task_type != "ps") {
@@ -142,22 +165,35 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     }
     shard_index = cluster->task_index;
     num_shards = static_cast<int>(cluster->ps.size());
-    auto address = cluster->task_address();
-    if (address.ok()) {
-      std::vector<std::string> hp = absl::StrSplit(*address, ':');
-      if (hp.size() >= 2) (void)absl::SimpleAtoi(hp.back(), &port);
+    if (shards_flag && *shards_flag != num_shards) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--num_shards=", *shards_flag, " but ",
+          absl::GetFlag(FLAGS_ps_hosts).empty() ? "TF_CONFIG's cluster.ps" : "--ps_hosts",
+          " lists ", num_shards, " ps address", num_shards == 1 ? "" : "es",
+          "; expected them to agree (workers count the shards from that list)"));
+    }
+    // The address is validated: "unix:path", "[v6]:port" or "host:port".
+    const std::string address = cluster->ps[shard_index];
+    if (absl::StartsWith(address, "unix:")) {
+      listen = address;
+    } else {
+      listen = absl::StrCat("0.0.0.0:", address.substr(address.rfind(':') + 1));
+    }
+  } else {
+    if (shard_flag) shard_index = *shard_flag;
+    if (shards_flag) num_shards = *shards_flag;
+    if (shard_index >= num_shards) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--shard_index=", shard_index, " but there ", num_shards == 1 ? "is " : "are ",
+          num_shards, " shard", num_shards == 1 ? "" : "s", " (--num_shards", shards_flag ? "" : " default",
+          "); expected 0..", num_shards - 1));
     }
   }
-  if (absl::GetFlag(FLAGS_shard_index) >= 0) shard_index = absl::GetFlag(FLAGS_shard_index);
-  if (absl::GetFlag(FLAGS_num_shards) >= 0) num_shards = absl::GetFlag(FLAGS_num_shards);
-  if (absl::GetFlag(FLAGS_port) >= 0) port = absl::GetFlag(FLAGS_port);
-  if (port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("--port=", port, " is not in 0..65535"));
-  }
+  if (port_flag) listen = absl::StrCat("0.0.0.0:", *port_flag);
+  if (!absl::GetFlag(FLAGS_address).empty()) listen = absl::GetFlag(FLAGS_address);
   options.store.shard_index = shard_index;
   options.store.num_shards = num_shards;
-  options.address = absl::GetFlag(FLAGS_address).empty() ? absl::StrCat("0.0.0.0:", port)
-                                                         : absl::GetFlag(FLAGS_address);
+  options.address = listen;
   return options;
 }
 

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -36,7 +37,9 @@ ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF
 ABSL_FLAG(std::string, worker_hosts, "", "Comma-separated worker addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, chief_host, "", "The chief's address, if the cluster has a chief.");
 ABSL_FLAG(std::string, task_type, "", "worker or chief (default: TF_CONFIG task.type, else worker).");
-ABSL_FLAG(int, task_index, -1, "This task's index (default: TF_CONFIG task.index, else 0).");
+ABSL_FLAG(std::optional<int>, task_index, std::nullopt,
+          "This task's index (default: TF_CONFIG task.index, else 0 if its job lists one "
+          "address; required otherwise).");
 ABSL_FLAG(std::string, dataset, "fashion_mnist", "fashion_mnist | mnist | cifar10.");
 ABSL_FLAG(std::string, data_dir, "",
           "Directory of the data set files (default: /usr/share/datasets/fashion-mnist for "
@@ -72,7 +75,8 @@ ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end."
 namespace {
 
 int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "worker: %s\n", std::string(status.ToString()).c_str());
+  const std::string line = absl::StrCat("worker: ", status.ToString(), "\n");
+  std::fwrite(line.data(), 1, line.size(), stderr);
   return 1;
 }
 
@@ -96,11 +100,27 @@ int main(int argc, char** argv) {
   flags.worker_hosts = absl::GetFlag(FLAGS_worker_hosts);
   flags.chief_host = absl::GetFlag(FLAGS_chief_host);
   flags.task_type = absl::GetFlag(FLAGS_task_type);
-  flags.task_index = absl::GetFlag(FLAGS_task_index);
-  if (flags.task_type.empty() && flags.task_index >= 0 && std::getenv("TF_CONFIG") == nullptr) {
-    flags.task_type = "worker";
+  if (const std::optional<int> index = absl::GetFlag(FLAGS_task_index); index.has_value()) {
+    if (*index < 0) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--task_index=", *index, "; expected 0 or more")));
+    }
+    flags.task_index = *index;
   }
-  auto cluster = psflow::ResolveCluster(std::getenv("TF_CONFIG"), flags);
+  const char* tf_config = std::getenv("TF_CONFIG");
+  if (psflow::TfConfigAbsent(tf_config)) {
+    if (flags.worker_hosts.empty() && flags.chief_host.empty()) {
+      return Fail(absl::InvalidArgumentError(
+          "without TF_CONFIG, give --worker_hosts (every worker's \"host:port\", this one "
+          "included; they number the replicas) and/or --chief_host"));
+    }
+    if (flags.task_type.empty()) {
+      flags.task_type = "worker";
+      flags.task_type_flag = "";
+      flags.task_type_default = "the task type (worker: no TF_CONFIG and no --task_type)";
+    }
+  }
+  auto cluster = psflow::ResolveCluster(tf_config, flags);
   if (!cluster.ok()) return Fail(cluster.status());
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
     return Fail(absl::InvalidArgumentError(absl::StrCat(

@@ -17,6 +17,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -177,6 +178,64 @@ TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
   EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 1);
   EXPECT_THAT(ReadFile(log),
               ::testing::HasSubstr("'grpc.http2.lookahead_bytes' is not name=value"));
+}
+
+// Runs `argv` without TF_CONFIG and returns its exit code and output.
+std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv) {
+  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string log = dir + "/out.log";
+  const pid_t pid = Spawn(argv, "", log);
+  if (pid <= 0) return {-2, "spawn failed"};
+  const int code = WaitFor(pid, std::chrono::seconds(20));
+  return {code, ReadFile(log)};
+}
+
+// Flags that contradict each other or make no sense are refused, naming the
+// flags; before, negative values were ignored, --num_shards could disagree
+// with --ps_hosts, and errors named the worker's --task_type/--task_index.
+TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
+  const std::string ps = PSFLOW_PS_SERVER_BIN;
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{ps, "--ps_hosts=127.0.0.1:1", "--num_shards=4"},
+       "--num_shards=4 but --ps_hosts lists 1 ps address"},
+      {{ps, "--num_shards=0"}, "--num_shards=0; expected 1 or more"},
+      {{ps, "--shard_index=-7"}, "--shard_index=-7; expected 0 or more"},
+      {{ps, "--port=-5"}, "--port=-5; expected 0..65535"},
+      {{ps, "--port=0", "--shard_index=3", "--num_shards=2"},
+       "--shard_index=3 but there are 2 shards"},
+      {{ps, "--ps_hosts=127.0.0.1:1,127.0.0.1:2"}, "--shard_index was not given"},
+  };
+  for (const auto& [argv, want] : cases) {
+    const auto [code, out] = RunToEnd(argv);
+    EXPECT_EQ(code, 1) << absl::StrJoin(argv, " ") << "\n" << out;
+    EXPECT_THAT(out, ::testing::HasSubstr(want)) << absl::StrJoin(argv, " ");
+    EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("--task_"))) << absl::StrJoin(argv, " ");
+  }
+  const auto [code, out] = RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=127.0.0.1:1"});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("without TF_CONFIG, give --worker_hosts"));
+}
+
+// A "unix:path" ps address is listened on as such (it used to become a
+// random TCP port, since the port was cut from the address at ':').
+TEST(MultiProcessTest, UnixPsAddressIsListenedOn) {
+  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
+  const std::string dir = ::mkdtemp(tmpl);
+  const std::string socket_path = dir + "/ps0.sock";
+  const std::string log = dir + "/ps.log";
+  const pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--ps_hosts=unix:" + socket_path}, "", log);
+  ASSERT_GT(pid, 0);
+  struct stat st {};
+  bool listening = false;
+  for (int i = 0; i < 400 && !listening; ++i) {
+    listening = ::stat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+    if (!listening) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+  EXPECT_TRUE(listening) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("listening on unix:" + socket_path));
 }
 
 }  // namespace

@@ -12,8 +12,10 @@ namespace {
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
-// What Kubeflow's TFJob operator writes for a job with a chief, two workers,
-// two PS and an evaluator, for the task `type`:`index`.
+// What Kubeflow's TFJob operator writes for a job with a chief, two workers
+// and two PS, for the task `type`:`index`, with an evaluator listed too (the
+// operator itself leaves the evaluator out of "cluster": see
+// EvaluatorOutsideTheClusterAsTfJobWritesIt).
 std::string TfJobConfig(const std::string& type, int index) {
   return R"({"cluster":{"chief":["job-chief-0.ns.svc:2222"],)"
          R"("worker":["job-worker-0.ns.svc:2222","job-worker-1.ns.svc:2222"],)"
@@ -312,6 +314,105 @@ TEST(ClusterSpecTest, DebugStringShowsTaskAndJobs) {
   EXPECT_THAT(s, HasSubstr("task=ps:1"));
   EXPECT_THAT(s, HasSubstr("job-ps-1.ns.svc:2222"));
   EXPECT_THAT(s, HasSubstr("evaluator=[job-evaluator-0.ns.svc:2222]"));
+}
+
+// The training-operator's genClusterSpec skips the evaluator ("evaluator is
+// not part of training cluster"), but its pod still gets task.type
+// "evaluator"; TensorFlow's resolver accepts that.
+TEST(ClusterSpecTest, EvaluatorOutsideTheClusterAsTfJobWritesIt) {
+  const std::string cluster =
+      R"({"cluster":{"chief":["c:2222"],"worker":["w0:2222"],"ps":["p0:2222"]},)";
+  const ClusterSpec spec =
+      MustParse(cluster + R"("task":{"type":"evaluator","index":0},"environment":"cloud"})");
+  EXPECT_EQ(spec.task_type, "evaluator");
+  EXPECT_EQ(spec.task_index, 0);
+  EXPECT_EQ(spec.replica_index(), -1);
+  EXPECT_EQ(spec.num_replicas(), 2);
+  EXPECT_FALSE(spec.is_chief());
+  EXPECT_TRUE(spec.evaluator.empty());
+  MustParse(cluster + R"("task":{"type":"evaluator"}})");  // index absent: 0
+  EXPECT_THAT(TfConfigError(cluster + R"("task":{"type":"evaluator","index":1}})"),
+              HasSubstr("\"task.type\" is \"evaluator\" but the cluster lists no \"evaluator\""));
+  // Other task types must still be in the cluster.
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p0:2222"]},"task":{"type":"worker"}})"),
+              HasSubstr("lists no \"worker\" addresses"));
+}
+
+TEST(ClusterSpecTest, SparseClusterIsNamed) {
+  EXPECT_THAT(
+      TfConfigError(R"({"sparseCluster":{"ps":["p0:2222"],"worker":{"1":"w1:2222"}},)"
+                    R"("task":{"type":"worker","index":1}})"),
+      HasSubstr("\"sparseCluster\" (TFJob's enableDynamicWorker mode)"));
+}
+
+TEST(ClusterSpecTest, DeepNestingIsRefusedBeforeParsing) {
+  // 60,000 nested lists took protobuf's parser 112 s; they are refused at
+  // once, naming the limit. Ten levels under an ignored key are fine.
+  const std::string deep = std::string(60000, '[') + std::string(60000, ']');
+  EXPECT_THAT(TfConfigError(R"({"x":)" + deep + R"(,"cluster":{"ps":["p:1"]},"task":{"type":"ps"}})"),
+              HasSubstr("more than 16 deep"));
+  const std::string ten = std::string(10, '[') + std::string(10, ']');
+  const ClusterSpec spec =
+      MustParse(R"({"x":)" + ten + R"(,"cluster":{"ps":["p:1"]},"task":{"type":"ps"}})");
+  EXPECT_EQ(spec.task_type, "ps");
+  // Brackets inside strings do not count.
+  MustParse(R"({"x":")" + std::string(100, '[') +
+            R"(","cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0}})");
+}
+
+TEST(ClusterSpecTest, ControlAndNonAsciiBytesAreEscapedInMessages) {
+  // A NUL in an address used to end the message there (printf's %s).
+  const std::string error = TfConfigError(
+      R"({"cluster":{"ps":["h\u0000x:1"]},"task":{"type":"ps","index":0}})");
+  EXPECT_THAT(error, HasSubstr("\"h\\x00x:1\""));
+  EXPECT_THAT(error, HasSubstr("in its host name; expected"));
+  EXPECT_EQ(error.find('\0'), std::string::npos);
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p:1"]},"task":{"type":"caf\u00e9"}})"),
+              HasSubstr("\"caf\\xc3\\xa9\""));
+}
+
+TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
+  // As ps_server calls ResolveCluster: its index flag is --shard_index, it
+  // has no --task_type and only --ps_hosts.
+  ClusterFlags ps;
+  ps.task_index_flag = "shard_index";
+  ps.task_type_flag = "";
+  ps.hosts_flags = {"ps_hosts"};
+  const std::string none = ErrorOf(ResolveCluster(nullptr, ps));
+  EXPECT_THAT(none, HasSubstr("--ps_hosts was not given"));
+  EXPECT_THAT(none, ::testing::Not(HasSubstr("--worker_hosts")));
+  ps.ps_hosts = "p0:1,p1:1";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)), HasSubstr("TF_CONFIG: missing \"task.type\""));
+  ps.task_type = "ps";
+  ps.task_type_default = "ps_server's task type";
+  const std::string no_index = ErrorOf(ResolveCluster(nullptr, ps));
+  EXPECT_THAT(no_index, HasSubstr("--shard_index was not given"));
+  EXPECT_THAT(no_index, ::testing::Not(HasSubstr("--task_index")));
+  ps.task_index = 2;
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)),
+              HasSubstr("--shard_index is 2 but cluster \"ps\" has 2 addresses"));
+  // A default task type is described, not blamed on a flag.
+  ClusterFlags worker;
+  worker.ps_hosts = "p0:1";
+  worker.task_type = "worker";
+  worker.task_type_flag = "";
+  worker.task_type_default = "the task type (worker by default)";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, worker)),
+              HasSubstr("the task type (worker by default) is \"worker\" but the cluster lists "
+                        "no \"worker\" addresses"));
+}
+
+TEST(ResolveClusterTest, BlankTfConfigIsAbsent) {
+  EXPECT_TRUE(TfConfigAbsent(nullptr));
+  EXPECT_TRUE(TfConfigAbsent(""));
+  EXPECT_TRUE(TfConfigAbsent(" \n\t"));
+  EXPECT_FALSE(TfConfigAbsent("{}"));
+  ClusterFlags flags;
+  flags.ps_hosts = "p:1";
+  flags.task_type = "ps";
+  absl::StatusOr<ClusterSpec> spec = ResolveCluster("  ", flags);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_address().value(), "p:1");
 }
 
 }  // namespace
