@@ -125,10 +125,25 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                                    PsClient* client, const Dataset& train, const Dataset& test,
                                    const TrainerOptions& options) {
   const Shape3 want = model.input;
-  if (train.height != want.h || train.width != want.w || train.channels != want.c) {
+  for (const Dataset* d : {&train, &test}) {
+    if (d->height != want.h || d->width != want.w || d->channels != want.c) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s has %dx%dx%d examples but the model expects %dx%dx%d", d->name, d->height,
+          d->width, d->channels, want.h, want.w, want.c));
+    }
+  }
+  if (test.num_examples <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(test.name, " has no examples; evaluation needs at least one"));
+  }
+  // Checked by every worker alike, before anything is registered: with more
+  // workers than examples the first shard is empty, and the chief alone
+  // would fail while the others wait for its variables.
+  if (train.num_examples < options.num_replicas) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %dx%dx%d examples but the model expects %dx%dx%d", train.name, train.height,
-        train.width, train.channels, want.h, want.w, want.c));
+        "%s has %d examples, fewer than the %d workers that share it; expected at least one "
+        "example per worker",
+        train.name, train.num_examples, options.num_replicas));
   }
   if (train.num_classes > model.num_classes) {
     return absl::InvalidArgumentError(absl::StrFormat(
@@ -140,6 +155,16 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   Progress progress(options.progress, options.progress_tty,
                     options.num_replicas > 1 ? absl::StrCat("[worker ", options.replica_index, "] ")
                                              : "");
+
+  // Before any variable is registered, so that bad batching options change
+  // nothing on the shards.
+  BatcherOptions batcher_options;
+  batcher_options.batch_size = options.batch_size;
+  batcher_options.num_shards = options.num_replicas;
+  batcher_options.shard_index = options.replica_index;
+  batcher_options.seed = options.seed;
+  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
+                          Batcher::Create(&train, batcher_options));
 
   // Variables: the chief registers its initial values; the others wait.
   Buffers params[2] = {Buffers(model), Buffers(model)};
@@ -160,13 +185,6 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   }
   params[1].CopyFrom(params[0]);  // same values, own storage
 
-  BatcherOptions batcher_options;
-  batcher_options.batch_size = options.batch_size;
-  batcher_options.num_shards = options.num_replicas;
-  batcher_options.shard_index = options.replica_index;
-  batcher_options.seed = options.seed;
-  PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Batcher> batcher,
-                          Batcher::Create(&train, batcher_options));
 
   // A GPU backend copies straight from and to pinned tensors.
   PinnedTensors pinned(backend);

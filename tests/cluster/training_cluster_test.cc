@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
 #include "worker/backend.h"
@@ -229,6 +230,62 @@ TEST(TrainerPinningTest, BigTensorsArePinnedForEveryStepAndUnpinnedAtTheEnd) {
     EXPECT_EQ(backend.unpin_calls, refuse ? 0 : 4);
     EXPECT_EQ(backend.unknown_unpins, 0);
     EXPECT_EQ(backend.still_pinned(), 0u);
+  }
+}
+
+// Data that cannot be trained on or evaluated is refused by every worker
+// alike before the chief registers anything: with more workers than
+// examples the chief's shard was empty and it alone failed, after
+// registering, while the others waited for it; a test split of another
+// shape was read past the end of the evaluation buffer.
+TEST(TrainerInputTest, UnusableDataIsRefusedBeforeAnythingIsRegistered) {
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  auto server = server::PsServer::Start(ps);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto backend = worker::CreateBackend("cpu", {});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {(*server)->client_address()};
+  auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  Dataset other_shape = MakeSquares(10, 2);
+  other_shape.name = "squares/test";
+  other_shape.height = other_shape.width = 4;
+  other_shape.pixels.resize(10 * 16);
+  Dataset empty = MakeSquares(0, 2);
+  empty.name = "squares/test";
+  struct Case {
+    const char* what;
+    Dataset train, test;
+    int replicas;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {"3 workers, 2 examples", MakeSquares(2, 1), MakeSquares(10, 2), 3,
+       "squares has 2 examples, fewer than the 3 workers"},
+      {"test of another shape", MakeSquares(40, 1), other_shape, 1,
+       "squares/test has 4x4x1 examples but the model expects 8x8x1"},
+      {"empty test", MakeSquares(40, 1), empty, 1, "squares/test has no examples"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    worker::TrainerOptions options;
+    options.num_replicas = c.replicas;
+    options.replica_index = 0;
+    options.is_chief = true;
+    options.batch_size = 32;
+    options.epochs = 1;
+    options.progress = nullptr;
+    auto summary = worker::Train(*model, backend->get(), client->get(), c.train, c.test, options);
+    ASSERT_FALSE(summary.ok());
+    EXPECT_EQ(summary.status().code(), absl::StatusCode::kInvalidArgument) << summary.status();
+    EXPECT_THAT(std::string(summary.status().message()), ::testing::HasSubstr(c.want));
+    EXPECT_EQ((*server)->store().stats().parameter_bytes, 0) << "something was registered";
   }
 }
 

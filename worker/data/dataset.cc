@@ -26,6 +26,8 @@ constexpr int kCifarSide = 32;
 constexpr int kCifarChannels = 3;
 constexpr int64_t kCifarImageBytes = kCifarSide * kCifarSide * kCifarChannels;
 constexpr int64_t kCifarRecordBytes = 1 + kCifarImageBytes;
+// A CIFAR-10 batch file holds 10,000 records; smaller ones are accepted.
+constexpr int64_t kCifarMaxRecords = 10000;
 // Bound on rows/cols of an IDX image; a larger value means a corrupt header.
 constexpr uint32_t kMaxIdxSide = 1 << 15;
 // Reads grow their buffer by at most this much at a time, so a corrupt
@@ -88,30 +90,57 @@ class GzReader {
     return total;
   }
 
-  // Reads exactly n bytes into `out` (replacing its contents), or returns
-  // DATA_LOSS saying what part of the file was truncated.
-  absl::Status ReadExactly(size_t n, std::vector<uint8_t>& out, const char* what) {
+  // Reads everything left in the file, which must be at most `limit` bytes
+  // (else INVALID_ARGUMENT naming `what`): a small gzip file can expand to
+  // gigabytes, so the read stops one byte past the limit.
+  absl::StatusOr<std::vector<uint8_t>> ReadAll(size_t limit, const std::string& what) {
+    std::vector<uint8_t> out;
+    PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(limit + 1, out));
+    if (got > limit) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("file ", path_, " holds more than ", limit, " bytes; expected ", what));
+    }
+    PSFLOW_RETURN_IF_ERROR(CheckCleanEnd());
+    return out;
+  }
+
+  // Reads the last n bytes of the file into `out` (replacing its contents):
+  // DATA_LOSS if fewer are left, INVALID_ARGUMENT if more are (`declared`
+  // says what the header declared), DATA_LOSS if a gzip'd file lacks its
+  // end. The read asks for one byte more than n: zlib notices a gzip stream
+  // cut short (even one missing only its 8-byte CRC trailer) only when a
+  // read goes past the data.
+  absl::Status ReadToEnd(size_t n, std::vector<uint8_t>& out, const char* what,
+                         const std::string& declared) {
     out.clear();
-    out.reserve(std::min(n, size_t{1} << 28));
-    PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(n, out));
+    out.reserve(std::min(n + 1, size_t{1} << 28));
+    PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(n + 1, out));
     if (got < n) {
       return absl::DataLossError(absl::StrCat("file ", path_, " is truncated: expected ", n,
                                               " bytes of ", what, ", found ", got));
     }
-    return absl::OkStatus();
-  }
-
-  // Reads everything left in the file.
-  absl::StatusOr<std::vector<uint8_t>> ReadAll() {
-    std::vector<uint8_t> out;
-    while (true) {
-      PSFLOW_ASSIGN_OR_RETURN(size_t got, AppendUpTo(kReadChunk, out));
-      if (got < kReadChunk) return out;
+    if (got > n) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "file ", path_, " has more data after the ", declared,
+          " its header declares; expected the file to end there (a wrong count in the "
+          "header, or two files joined)"));
     }
+    return CheckCleanEnd();
   }
 
  private:
   GzReader(std::string path, gzFile file) : path_(std::move(path)), file_(file) {}
+
+  // At the end of the data: zlib reports a gzip stream cut short (also one
+  // missing only its 8-byte trailer) as Z_BUF_ERROR, not as a failed read.
+  absl::Status CheckCleanEnd() {
+    int errnum = Z_OK;
+    const char* msg = gzerror(file_, &errnum);
+    if (errnum == Z_OK) return absl::OkStatus();
+    return absl::DataLossError(absl::StrCat("file ", path_, " is truncated: the gzip stream ",
+                                            errnum == Z_BUF_ERROR ? "ends early" : msg,
+                                            " (expected its end and CRC trailer)"));
+  }
 
   std::string path_;
   gzFile file_;
@@ -191,6 +220,26 @@ absl::Status CheckDirectory(const std::string& dir, const std::string& data_set,
   return absl::OkStatus();
 }
 
+// Both splits hold examples, and of the same shape: the model is built for
+// the training split's, and evaluation reads the test split with it.
+absl::Status CheckSplitsAgree(const DataSplits& splits, const std::string& dir) {
+  for (const Dataset* d : {&splits.train, &splits.test}) {
+    if (d->num_examples <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(d->name, " (in ", dir, ") has no examples; expected at least one"));
+    }
+  }
+  const Dataset& a = splits.train;
+  const Dataset& b = splits.test;
+  if (a.height != b.height || a.width != b.width || a.channels != b.channels) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s has %dx%dx%d examples but %s (in %s) has %dx%dx%d; expected both splits to have "
+        "one shape",
+        b.name, b.height, b.width, b.channels, a.name, dir, a.height, a.width, a.channels));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Dataset> LoadIdxSplit(const std::string& dir, const std::string& prefix,
                                      const std::string& name) {
   PSFLOW_ASSIGN_OR_RETURN(std::string images,
@@ -232,10 +281,12 @@ absl::StatusOr<Dataset> LoadIdx(const std::string& images_path, const std::strin
   }
 
   const size_t pixel_bytes = static_cast<size_t>(data.num_examples) * rows * cols;
-  PSFLOW_RETURN_IF_ERROR(images.ReadExactly(pixel_bytes, data.pixels, "pixels"));
+  const std::string declared =
+      absl::StrCat(data.num_examples, " example", data.num_examples == 1 ? "" : "s");
+  PSFLOW_RETURN_IF_ERROR(images.ReadToEnd(pixel_bytes, data.pixels, "pixels", declared));
   std::vector<uint8_t> label_bytes;
-  PSFLOW_RETURN_IF_ERROR(
-      labels.ReadExactly(static_cast<size_t>(data.num_examples), label_bytes, "labels"));
+  PSFLOW_RETURN_IF_ERROR(labels.ReadToEnd(static_cast<size_t>(data.num_examples), label_bytes,
+                                          "labels", declared));
   data.labels.assign(label_bytes.begin(), label_bytes.end());
   PSFLOW_RETURN_IF_ERROR(CheckLabels(data.labels, 0, labels_path));
   return data;
@@ -264,7 +315,11 @@ absl::StatusOr<Dataset> LoadCifar10(const std::string& dir, bool train) {
   for (const std::string& base : bases) {
     PSFLOW_ASSIGN_OR_RETURN(std::string path, FindFile(batch_dir, base));
     PSFLOW_ASSIGN_OR_RETURN(GzReader reader, GzReader::Open(path));
-    PSFLOW_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, reader.ReadAll());
+    PSFLOW_ASSIGN_OR_RETURN(
+        std::vector<uint8_t> bytes,
+        reader.ReadAll(static_cast<size_t>(kCifarMaxRecords * kCifarRecordBytes),
+                       absl::StrCat("at most ", kCifarMaxRecords, " records of ",
+                                    kCifarRecordBytes, " bytes (a CIFAR-10 batch file)")));
     const int64_t size = static_cast<int64_t>(bytes.size());
     if (size == 0 || size % kCifarRecordBytes != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -309,6 +364,7 @@ absl::StatusOr<DataSplits> LoadDataset(const std::string& name, const std::strin
     PSFLOW_RETURN_IF_ERROR(CheckDirectory(dir, name, hint));
     PSFLOW_ASSIGN_OR_RETURN(splits.train, LoadIdxSplit(dir, "train", name + "/train"));
     PSFLOW_ASSIGN_OR_RETURN(splits.test, LoadIdxSplit(dir, "t10k", name + "/test"));
+    PSFLOW_RETURN_IF_ERROR(CheckSplitsAgree(splits, dir));
     return splits;
   }
   if (name == "cifar10") {
@@ -319,6 +375,7 @@ absl::StatusOr<DataSplits> LoadDataset(const std::string& name, const std::strin
     }
     PSFLOW_ASSIGN_OR_RETURN(splits.train, LoadCifar10(data_dir, /*train=*/true));
     PSFLOW_ASSIGN_OR_RETURN(splits.test, LoadCifar10(data_dir, /*train=*/false));
+    PSFLOW_RETURN_IF_ERROR(CheckSplitsAgree(splits, data_dir));
     return splits;
   }
   return absl::InvalidArgumentError(

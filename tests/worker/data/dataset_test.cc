@@ -170,6 +170,45 @@ TEST(LoadIdxTest, GzipStreamCutShortIsDataLoss) {
   EXPECT_THAT(data.status().message(), HasSubstr(cut));
 }
 
+// zlib checks a gzip file's CRC trailer only when a read goes past the
+// data; a file cut just before its 8-byte trailer used to load silently.
+TEST(LoadIdxTest, GzipWithoutItsTrailerIsDataLoss) {
+  const std::string dir = TestDir();
+  const SmallIdx files = WriteSmallIdx(dir, /*gzip=*/true);
+  std::ifstream in(files.images, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 8u);
+  bytes.resize(bytes.size() - 8);
+  const std::string cut = dir + "/no_trailer.gz";
+  WriteFile(cut, bytes, false);
+  absl::StatusOr<Dataset> data = LoadIdx(cut, files.labels, "x");
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kDataLoss) << data.status();
+  EXPECT_THAT(data.status().message(), AllOf(HasSubstr(cut), HasSubstr("ends early")));
+}
+
+// A header that declares fewer examples than the file holds (a wrong count,
+// or two files joined) used to load the first ones silently.
+TEST(LoadIdxTest, DataAfterTheDeclaredExamplesIsInvalidArgument) {
+  const std::string dir = TestDir();
+  for (bool gzip : {false, true}) {
+    const std::string images = dir + (gzip ? "/long.gz" : "/long");
+    const std::string labels = dir + (gzip ? "/labels.gz" : "/labels");
+    // 2 examples of 2x3 declared (12 bytes), 18 present.
+    WriteFile(images, IdxImages(2, 2, 3, std::vector<uint8_t>(18, 7)), gzip);
+    WriteFile(labels, IdxLabels({1, 2}), gzip);
+    absl::StatusOr<Dataset> data = LoadIdx(images, labels, "x");
+    EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument) << data.status();
+    EXPECT_THAT(data.status().message(),
+                AllOf(HasSubstr(images), HasSubstr("more data after the 2 examples")));
+    // The same for the labels file.
+    WriteFile(images, IdxImages(2, 2, 3, std::vector<uint8_t>(12, 7)), gzip);
+    WriteFile(labels, IdxLabels({1, 2, 3}, kLabelsMagic, 2), gzip);
+    data = LoadIdx(images, labels, "x");
+    EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument) << data.status();
+    EXPECT_THAT(data.status().message(), HasSubstr(labels));
+  }
+}
+
 TEST(LoadIdxTest, TruncatedHeaderIsDataLoss) {
   const std::string dir = TestDir();
   WriteFile(dir + "/images", {0, 0, 8, 3, 0, 0}, false);
@@ -349,6 +388,19 @@ TEST(LoadCifar10Test, LabelOutOfRangeIsInvalidArgument) {
               AllOf(HasSubstr(dir + "/test_batch.bin"), HasSubstr("label 11")));
 }
 
+// A batch file holds at most 10,000 records: a small gzip file that expands
+// beyond that used to be read whole (1.9 GB for an 896 KB file).
+TEST(LoadCifar10Test, BatchOfMoreThanTenThousandRecordsIsRefused) {
+  const std::string dir = TestDir();
+  WriteCifarDir(dir, false);
+  WriteFile(dir + "/test_batch.bin.gz", std::vector<uint8_t>(3073 * 10001, 0), true);
+  fs::remove(dir + "/test_batch.bin");
+  absl::StatusOr<Dataset> test = LoadCifar10(dir, /*train=*/false);
+  EXPECT_EQ(test.status().code(), absl::StatusCode::kInvalidArgument) << test.status();
+  EXPECT_THAT(test.status().message(),
+              AllOf(HasSubstr(dir + "/test_batch.bin.gz"), HasSubstr("at most 10000 records")));
+}
+
 // Writes a complete fashion_mnist-style directory: train has 5 examples of
 // 2x2, test 3; pixel values encode (split, example, pixel).
 void WriteMnistDir(const std::string& dir) {
@@ -379,6 +431,25 @@ TEST(LoadDatasetTest, LoadsBothSplitsWithOrWithoutGz) {
     EXPECT_EQ(splits->test.pixels[2 * 4 + 1], 1 * 100 + 2 * 10 + 1);
     EXPECT_EQ(splits->test.labels, (std::vector<int32_t>{9, 8, 7}));
   }
+}
+
+// The model is built for the training split's shape and evaluates the test
+// split with it: a test split of another shape read past a buffer's end.
+TEST(LoadDatasetTest, SplitsOfDifferentShapesOrAnEmptyOneAreRefused) {
+  const std::string dir = TestDir();
+  WriteMnistDir(dir);
+  WriteFile(dir + "/t10k-images-idx3-ubyte", IdxImages(3, 3, 3, std::vector<uint8_t>(27, 1)),
+            false);
+  absl::StatusOr<DataSplits> splits = LoadDataset("fashion_mnist", dir);
+  EXPECT_EQ(splits.status().code(), absl::StatusCode::kInvalidArgument) << splits.status();
+  EXPECT_THAT(splits.status().message(),
+              AllOf(HasSubstr("fashion_mnist/test has 3x3x1"), HasSubstr("has 2x2x1")));
+
+  WriteFile(dir + "/t10k-images-idx3-ubyte", IdxImages(0, 2, 2, {}), false);
+  WriteFile(dir + "/t10k-labels-idx1-ubyte.gz", IdxLabels({}), true);
+  splits = LoadDataset("fashion_mnist", dir);
+  EXPECT_EQ(splits.status().code(), absl::StatusCode::kInvalidArgument) << splits.status();
+  EXPECT_THAT(splits.status().message(), HasSubstr("fashion_mnist/test (in " + dir + ") has no examples"));
 }
 
 TEST(LoadDatasetTest, MissingSplitFileIsNotFound) {
