@@ -399,6 +399,12 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
   // cluster: it trains nothing and serves nothing. TensorFlow's resolver
   // accepts that; so do we, for index 0.
   const bool lone_evaluator = *job == kEvaluator && size == 0 && d.task_index.value_or(0) == 0;
+  if (*job == kEvaluator && size == 0 && !lone_evaluator) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "%s is %d but the cluster lists no \"evaluator\" addresses; expected index 0 for an "
+        "evaluator outside the cluster",
+        d.index_origin.Where(), *d.task_index));
+  }
   if (size == 0 && !lone_evaluator) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that is "

@@ -59,7 +59,8 @@ struct ClusterSpec {
   // decides checkpoints and runs evaluation.
   bool is_chief() const;
   // This task's own address; INVALID_ARGUMENT if task_type/task_index do not
-  // name a listed task (only possible for a hand-built spec).
+  // name a listed task (an evaluator outside the cluster, or a hand-built
+  // spec).
   absl::StatusOr<std::string> task_address() const;
   // Addresses of `job` ("chief", "worker", "ps", "evaluator"); nullptr for
   // any other name.

@@ -158,6 +158,18 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     if (shard_flag) flags.task_index = *shard_flag;
     auto cluster = psflow::ResolveCluster(tf_config, flags);
     if (!cluster.ok()) return cluster.status();
+    if (shard_flag && !no_tf_config) {
+      // --shard_index makes this a ps task; TF_CONFIG must not say otherwise.
+      psflow::ClusterFlags own;
+      own.task_type_flag = "";
+      auto from_tf_config = psflow::ResolveCluster(tf_config, own);
+      if (from_tf_config.ok() && from_tf_config->task_type != "ps") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--shard_index=", *shard_flag, " but TF_CONFIG's task is \"",
+            from_tf_config->task_type, "\" ", from_tf_config->task_index,
+            "; expected TF_CONFIG task.type \"ps\" (or no --shard_index)"));
+      }
+    }
     if (cluster->task_type != "ps") {
       return absl::InvalidArgumentError(absl::StrCat(
           "this process's task is \"", cluster->task_type, "\" ", cluster->task_index,
@@ -188,6 +200,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
           num_shards, " shard", num_shards == 1 ? "" : "s", " (--num_shards", shards_flag ? "" : " default",
           "); expected 0..", num_shards - 1));
     }
+  }
+  if (port_flag && !absl::GetFlag(FLAGS_address).empty()) {
+    return absl::InvalidArgumentError(
+        "--port and --address were both given; expected one of them (--address is the whole "
+        "listen address)");
   }
   if (port_flag) listen = absl::StrCat("0.0.0.0:", *port_flag);
   if (!absl::GetFlag(FLAGS_address).empty()) listen = absl::GetFlag(FLAGS_address);

@@ -86,6 +86,16 @@ void AdagradKernel(float* __restrict p, float* __restrict acc, const char* __res
 
 #undef PSFLOW_KERNEL_CLONES
 
+// The scheduled rate as the float32 the kernels use. An exponential decay
+// with decay_rate > 1 (Keras allows it) can grow past the float range, where
+// the conversion would be undefined: it becomes +inf, as Keras's float32
+// schedule does.
+float ScheduledRateAsFloat(const OptimizerOptions& o, int64_t step) {
+  const double lr = ScheduledLearningRate(o, step);
+  return lr > std::numeric_limits<float>::max() ? std::numeric_limits<float>::infinity()
+                                                : static_cast<float>(lr);
+}
+
 std::string ScheduleSuffix(const LearningRateSchedule& s) {
   switch (s.kind) {
     case LearningRateSchedule::Kind::kConstant:
@@ -120,7 +130,7 @@ class Adam final : public Optimizer {
     const float t = static_cast<float>(step);
     const float beta_1_power = std::pow(static_cast<float>(o_.beta_1), t);
     const float beta_2_power = std::pow(static_cast<float>(o_.beta_2), t);
-    const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
+    const float lr = ScheduledRateAsFloat(o_, step);
     const float alpha = lr * std::sqrt(1.0f - beta_2_power) / (1.0f - beta_1_power);
     AdamKernel(param, slots[0], slots[1], grad, n, alpha, static_cast<float>(1.0 - o_.beta_1),
                static_cast<float>(1.0 - o_.beta_2), static_cast<float>(o_.epsilon));
@@ -143,7 +153,7 @@ class Sgd final : public Optimizer {
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
     const char* grad = static_cast<const char*>(grad_data);
-    const float lr = static_cast<float>(ScheduledLearningRate(o_, step));
+    const float lr = ScheduledRateAsFloat(o_, step);
     const float momentum = static_cast<float>(o_.momentum);
     if (o_.momentum == 0.0) {
       // Keras skips the momentum slot entirely here, nesterov or not.
@@ -174,7 +184,7 @@ class Adagrad final : public Optimizer {
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
     const char* grad = static_cast<const char*>(grad_data);
-    AdagradKernel(param, slots[0], grad, n, static_cast<float>(ScheduledLearningRate(o_, step)),
+    AdagradKernel(param, slots[0], grad, n, ScheduledRateAsFloat(o_, step),
                   static_cast<float>(o_.epsilon));
   }
 

@@ -9,8 +9,10 @@
 // variables and evaluates on the test set after every epoch.
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -122,6 +124,28 @@ int main(int argc, char** argv) {
   }
   auto cluster = psflow::ResolveCluster(tf_config, flags);
   if (!cluster.ok()) return Fail(cluster.status());
+  // Numbers that make no sense are refused before anything runs.
+  if (absl::GetFlag(FLAGS_epochs) < 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--epochs=", absl::GetFlag(FLAGS_epochs), "; expected 1 or more")));
+  }
+  if (absl::GetFlag(FLAGS_train_steps) < 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--train_steps=", absl::GetFlag(FLAGS_train_steps), "; expected 0 (no cap) or more")));
+  }
+  if (absl::GetFlag(FLAGS_threads) < 0) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (all cores) or more")));
+  }
+  // The summary is written at the end of training: find out now whether it
+  // can be, not after the run (the file is created empty, then rewritten).
+  if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
+    std::ofstream probe(path, std::ios::app);
+    if (!probe) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(
+          "--summary_json=", path, " cannot be written: ", std::strerror(errno))));
+    }
+  }
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "this process's task is \"", cluster->task_type,
@@ -216,7 +240,10 @@ int main(int argc, char** argv) {
         static_cast<int>(cluster->ps.size()), parameters);
     std::ofstream out(path);
     out << SummaryToJson(*summary, extra);
-    if (!out) return Fail(absl::UnavailableError(absl::StrCat("cannot write ", path)));
+    if (!out) {
+      return Fail(absl::UnavailableError(
+          absl::StrCat("--summary_json: cannot write ", path, ": ", std::strerror(errno))));
+    }
   }
   return 0;
 }

@@ -57,7 +57,10 @@ threads=$(( cores / NUM_WORKERS )); [ "$threads" -ge 1 ] || threads=1
 
 pids=()
 cleanup() {
-  trap - EXIT INT TERM
+  # A second Ctrl-C (or a SIGINT to the whole process group) must not cut the
+  # cleanup short and leave processes running.
+  trap - EXIT
+  trap '' INT TERM
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
@@ -69,12 +72,24 @@ for i in $(seq 0 $((NUM_PS - 1))); do
   TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 $PS_FLAGS >"$LOG_DIR/ps-$i.log" 2>&1 &
   pids+=($!)
 done
+# A shard that cannot start (a port in use, a bad flag) ends at once: report
+# its log now rather than a worker's connection errors later.
+sleep 0.5
+for i in $(seq 0 $((NUM_PS - 1))); do
+  if ! kill -0 "${pids[$i]}" 2>/dev/null; then
+    echo "run_cluster: ps $i exited at start; $LOG_DIR/ps-$i.log says:" >&2
+    tail -n 5 "$LOG_DIR/ps-$i.log" >&2
+    exit 1
+  fi
+done
 worker_pids=()
 for i in $(seq 0 $((NUM_WORKERS - 1))); do
   if [ "$i" = 0 ]; then
     # The chief's progress goes to the terminal; everyone's to the logs.
+    # (tee in a process substitution, so that $! is the worker itself and
+    # the cleanup's SIGTERM reaches it.)
     TF_CONFIG=$(tf_config worker 0) "$worker_bin" --threads=$threads \
-      --summary_json="$LOG_DIR/worker-0.json" "$@" 2>&1 | tee "$LOG_DIR/worker-0.log" &
+      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 &
   else
     TF_CONFIG=$(tf_config worker "$i") "$worker_bin" --threads=$threads \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 &
@@ -87,7 +102,10 @@ status=0
 for p in "${worker_pids[@]}"; do wait "$p" || status=$?; done
 if [ $status -ne 0 ]; then
   echo "run_cluster: a worker failed (exit $status); see $LOG_DIR/worker-*.log" >&2
-  for f in "$LOG_DIR"/worker-*.log; do tail -n 3 "$f" >&2; done
+  for f in "$LOG_DIR"/worker-*.log "$LOG_DIR"/ps-*.log; do
+    echo "--- $f" >&2
+    tail -n 3 "$f" >&2
+  done
   exit $status
 fi
 for i in $(seq 0 $((NUM_WORKERS - 1))); do

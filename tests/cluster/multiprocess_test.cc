@@ -180,12 +180,14 @@ TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
               ::testing::HasSubstr("'grpc.http2.lookahead_bytes' is not name=value"));
 }
 
-// Runs `argv` without TF_CONFIG and returns its exit code and output.
-std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv) {
+// Runs `argv` (with `tf_config`, none by default) and returns its exit code
+// and output.
+std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv,
+                                     const std::string& tf_config = "") {
   char tmpl[] = "/tmp/psflow_mp_XXXXXX";
   const std::string dir = ::mkdtemp(tmpl);
   const std::string log = dir + "/out.log";
-  const pid_t pid = Spawn(argv, "", log);
+  const pid_t pid = Spawn(argv, tf_config, log);
   if (pid <= 0) return {-2, "spawn failed"};
   const int code = WaitFor(pid, std::chrono::seconds(20));
   return {code, ReadFile(log)};
@@ -205,6 +207,7 @@ TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--port=0", "--shard_index=3", "--num_shards=2"},
        "--shard_index=3 but there are 2 shards"},
       {{ps, "--ps_hosts=127.0.0.1:1,127.0.0.1:2"}, "--shard_index was not given"},
+      {{ps, "--port=0", "--address=127.0.0.1:0"}, "--port and --address were both given"},
   };
   for (const auto& [argv, want] : cases) {
     const auto [code, out] = RunToEnd(argv);
@@ -212,9 +215,29 @@ TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
     EXPECT_THAT(out, ::testing::HasSubstr(want)) << absl::StrJoin(argv, " ");
     EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("--task_"))) << absl::StrJoin(argv, " ");
   }
-  const auto [code, out] = RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=127.0.0.1:1"});
+  // TF_CONFIG says this is a worker: --shard_index must not turn it into a
+  // shard on the worker's host.
+  const auto [code, out] = RunToEnd(
+      {ps, "--shard_index=0"},
+      R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2"]},"task":{"type":"worker"}})");
   EXPECT_EQ(code, 1) << out;
-  EXPECT_THAT(out, ::testing::HasSubstr("without TF_CONFIG, give --worker_hosts"));
+  EXPECT_THAT(out, ::testing::HasSubstr("--shard_index=0 but TF_CONFIG's task is \"worker\""));
+
+  const std::string worker = PSFLOW_WORKER_BIN;
+  const std::string hosts[] = {"--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"};
+  const std::vector<std::pair<std::vector<std::string>, std::string>> worker_cases = {
+      {{worker, hosts[0]}, "without TF_CONFIG, give --worker_hosts"},
+      {{worker, hosts[0], hosts[1], "--epochs=0"}, "--epochs=0; expected 1 or more"},
+      {{worker, hosts[0], hosts[1], "--train_steps=-5"}, "--train_steps=-5; expected 0"},
+      {{worker, hosts[0], hosts[1], "--threads=-3"}, "--threads=-3; expected 0"},
+      {{worker, hosts[0], hosts[1], "--summary_json=/nonexistent/dir/x.json"},
+       "--summary_json=/nonexistent/dir/x.json cannot be written"},
+  };
+  for (const auto& [argv, want] : worker_cases) {
+    const auto [code, out] = RunToEnd(argv);
+    EXPECT_EQ(code, 1) << absl::StrJoin(argv, " ") << "\n" << out;
+    EXPECT_THAT(out, ::testing::HasSubstr(want)) << absl::StrJoin(argv, " ");
+  }
 }
 
 // A "unix:path" ps address is listened on as such (it used to become a

@@ -332,7 +332,8 @@ TEST(ClusterSpecTest, EvaluatorOutsideTheClusterAsTfJobWritesIt) {
   EXPECT_TRUE(spec.evaluator.empty());
   MustParse(cluster + R"("task":{"type":"evaluator"}})");  // index absent: 0
   EXPECT_THAT(TfConfigError(cluster + R"("task":{"type":"evaluator","index":1}})"),
-              HasSubstr("\"task.type\" is \"evaluator\" but the cluster lists no \"evaluator\""));
+              HasSubstr("\"task.index\" is 1 but the cluster lists no \"evaluator\" addresses; "
+                        "expected index 0"));
   // Other task types must still be in the cluster.
   EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p0:2222"]},"task":{"type":"worker"}})"),
               HasSubstr("lists no \"worker\" addresses"));

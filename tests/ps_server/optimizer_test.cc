@@ -578,6 +578,25 @@ TEST(OptimizerTest, EveryKindAppliesTheScheduledRate) {
   }
 }
 
+TEST(OptimizerTest, AGrowingScheduleBeyondTheFloatRangeIsInfinite) {
+  // Keras allows decay_rate > 1; 1e-3 * 10^42 is past FLT_MAX. The rate
+  // becomes +inf (as in Keras's float32 schedule), not an undefined
+  // double-to-float conversion.
+  OptimizerOptions o;
+  o.kind = Kind::kSgd;
+  o.learning_rate = 1e-3;
+  o.schedule.kind = LearningRateSchedule::Kind::kExponential;
+  o.schedule.decay_steps = 1;
+  o.schedule.decay_rate = 10;
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  float p = 1.0f, g = 1.0f;
+  opt->Apply(43, &p, nullptr, &g, 1);
+  EXPECT_EQ(p, -std::numeric_limits<float>::infinity());
+  p = 1.0f;
+  opt->Apply(3, &p, nullptr, &g, 1);  // 1e-3 * 100 = 0.1
+  EXPECT_NEAR(p, 0.9f, 1e-6);
+}
+
 TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
   EXPECT_EQ(*ParseScheduleKind("constant"), LearningRateSchedule::Kind::kConstant);
   EXPECT_EQ(*ParseScheduleKind("cosine"), LearningRateSchedule::Kind::kCosine);
