@@ -13,19 +13,26 @@ struct VariableSpec {
   std::string name;            // e.g. "dense_1/kernel"; unique in a model
   std::vector<int64_t> shape;  // row-major; dimension 0 is the split axis
 
-  int64_t num_elements() const {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    return n;
+  // The products saturate at INT64_MAX instead of overflowing (undefined
+  // behaviour, and a negative count that passes "too large" checks): a shape
+  // from a request or a flag may be anything.
+  int64_t num_elements() const { return Product(0); }
+  int64_t num_bytes() const {  // float32
+    const int64_t n = num_elements();
+    return n > INT64_MAX / 4 ? INT64_MAX : n * 4;
   }
-  int64_t num_bytes() const { return num_elements() * 4; }  // float32
   // Elements in one row of dimension 0 (1 for a scalar or a vector).
-  int64_t row_elements() const {
+  int64_t row_elements() const { return Product(1); }
+  int64_t num_rows() const { return shape.empty() ? 1 : shape[0]; }
+
+ private:
+  int64_t Product(size_t first) const {
     int64_t n = 1;
-    for (size_t i = 1; i < shape.size(); ++i) n *= shape[i];
+    for (size_t i = first; i < shape.size(); ++i) {
+      if (__builtin_mul_overflow(n, shape[i], &n)) return INT64_MAX;
+    }
     return n;
   }
-  int64_t num_rows() const { return shape.empty() ? 1 : shape[0]; }
 };
 
 }  // namespace psflow

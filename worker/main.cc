@@ -163,6 +163,22 @@ int main(int argc, char** argv) {
   auto model = ParseModel(absl::GetFlag(FLAGS_model),
                           {data->train.height, data->train.width, data->train.channels});
   if (!model.ok()) return Fail(model.status());
+  {
+    // The trainer keeps two parameter and two gradient buffers, and a
+    // backend its own copies of the weights: a model beyond the machine's
+    // memory is refused here instead of ending in std::bad_alloc.
+    int64_t elements = 0;
+    for (const auto& v : model->variables) elements += v.num_elements();
+    const double need = static_cast<double>(elements) * 4 * 6;
+    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    if (have > 0 && need > have) {
+      return Fail(absl::ResourceExhaustedError(absl::StrFormat(
+          "--model=%s has %d parameters, which need about %.1f GiB here (6 float32 copies: "
+          "parameters and gradients, twice each, and the backend's), but the machine has "
+          "%.1f GiB",
+          absl::GetFlag(FLAGS_model), elements, need / (1 << 30), have / (1 << 30))));
+    }
+  }
 
   BackendOptions backend_options;
   int threads = absl::GetFlag(FLAGS_threads);

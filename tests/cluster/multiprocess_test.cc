@@ -230,6 +230,10 @@ TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{worker, hosts[0], hosts[1], "--epochs=0"}, "--epochs=0; expected 1 or more"},
       {{worker, hosts[0], hosts[1], "--train_steps=-5"}, "--train_steps=-5; expected 0"},
       {{worker, hosts[0], hosts[1], "--threads=-3"}, "--threads=-3; expected 0"},
+      // About 1.2e10 parameters (290 GB of buffers): refused, not bad_alloc.
+      {{worker, hosts[0], hosts[1],
+        "--model=flatten,dense:2700000,dense:790,dense:2700000,dense:790,dense:2700000,dense:10"},
+       "parameters, which need about"},
       {{worker, hosts[0], hosts[1], "--summary_json=/nonexistent/dir/x.json"},
        "--summary_json=/nonexistent/dir/x.json cannot be written"},
   };

@@ -58,12 +58,19 @@ std::vector<Token> Tokenize(const std::string& spec) {
   return tokens;
 }
 
-// Parses `text` as an integer >= 1, else names `what` in the error.
+// Window sizes and strides beyond this are no image's (and would overflow
+// the shape arithmetic of the backends).
+constexpr int kMaxWindow = 1 << 15;
+
+// Parses `text` as an integer in [1, max], else names `what` in the error.
 absl::StatusOr<int> PositiveInt(const Token& token, absl::string_view what,
-                                absl::string_view text) {
+                                absl::string_view text, int max = INT32_MAX) {
   int value = 0;
   if (!absl::SimpleAtoi(text, &value) || value < 1) {
     return TokenError(token, absl::StrCat(what, " must be a positive integer, got \"", text, "\""));
+  }
+  if (value > max) {
+    return TokenError(token, absl::StrCat(what, " must be at most ", max, ", got ", value));
   }
   return value;
 }
@@ -90,7 +97,7 @@ absl::Status ParseOptions(const Token& token, const std::vector<std::string>& pa
     } else if (allow_padding_and_stride && opt.size() > 1 && opt[0] == 's') {
       if (seen_stride) return TokenError(token, "stride given twice");
       seen_stride = true;
-      auto stride = PositiveInt(token, "stride", absl::string_view(opt).substr(1));
+      auto stride = PositiveInt(token, "stride", absl::string_view(opt).substr(1), kMaxWindow);
       if (!stride.ok()) return stride.status();
       layer->stride = *stride;
     } else {
@@ -103,7 +110,7 @@ absl::Status ParseOptions(const Token& token, const std::vector<std::string>& pa
 // Output size of one spatial dimension of a conv/pool layer, or 0 when the
 // window does not fit (valid padding only).
 int OutputSize(int in, int kernel, int stride, bool same) {
-  if (same) return (in + stride - 1) / stride;
+  if (same) return in / stride + (in % stride != 0 ? 1 : 0);  // ceil, without overflow
   if (in < kernel) return 0;
   return (in - kernel) / stride + 1;
 }
@@ -140,7 +147,7 @@ absl::Status ParseLayer(const Token& token, LayerDef* layer) {
     }
     auto filters = PositiveInt(token, "filters", parts[1]);
     if (!filters.ok()) return filters.status();
-    auto kernel = PositiveInt(token, "kernel size", parts[2]);
+    auto kernel = PositiveInt(token, "kernel size", parts[2], kMaxWindow);
     if (!kernel.ok()) return kernel.status();
     layer->units = *filters;
     layer->kernel = *kernel;
@@ -152,7 +159,7 @@ absl::Status ParseLayer(const Token& token, LayerDef* layer) {
     if (parts.size() < 2) {
       return TokenError(token, "expected maxpool:POOL[:sSTRIDE][:same|:valid]");
     }
-    auto pool = PositiveInt(token, "pool size", parts[1]);
+    auto pool = PositiveInt(token, "pool size", parts[1], kMaxWindow);
     if (!pool.ok()) return pool.status();
     layer->kernel = *pool;
     layer->stride = *pool;

@@ -194,6 +194,15 @@ TEST(ParseModelTest, ErrorsNameTheTokenAndWhatWasExpected) {
       {"conv2d:4:3,maxpool:5,flatten,dense:2",
        Shape3{6, 6, 1},
        {"token 2 \"maxpool:5\"", "max_pooling2d", "[4,4,4]", "output size <= 0"}},
+      // The kernel's element count overflowed int64 and passed the size check.
+      {"conv2d:3:2147483647:same,flatten,dense:10",
+       kMnist,
+       {"token 1", "kernel size must be at most 32768, got 2147483647"}},
+      {"conv2d:65536:1,conv2d:2147483647:32768:same,flatten,dense:10",
+       kMnist,
+       {"token 2", "would have 9223372036854775807 elements"}},
+      // in + stride - 1 overflowed int (undefined behaviour).
+      {"conv2d:1:3:same:s2147483647,flatten,dense:10", kMnist, {"stride must be at most 32768"}},
   };
   for (const ErrorCase& c : cases) {
     auto m = ParseModel(c.spec, c.input);
