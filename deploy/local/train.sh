@@ -24,6 +24,19 @@ for arg in "$@"; do
   esac
 done
 workers=${NUM_WORKERS:-2}
+# The numbers feed the arithmetic below: check them first, so that a typo
+# gets a message rather than a bash arithmetic error.
+check_count() {  # name value minimum
+  if ! [[ $2 =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ]; then
+    echo "train.sh: $1 must be an integer >= $3, got \"$2\"" >&2
+    exit 2
+  fi
+}
+check_count --epochs "$epochs" 1
+check_count --batch_size "$batch" 1
+check_count --train_steps "$cap" 0
+check_count NUM_WORKERS "$workers" 1
+epochs=$((10#$epochs)) batch=$((10#$batch)) cap=$((10#$cap)) workers=$((10#$workers))
 per_worker=$(( (examples + workers - 1) / workers ))
 steps=$(( epochs * ((per_worker + batch - 1) / batch) ))  # per worker
 if [ "$cap" -gt 0 ] && [ "$cap" -lt "$steps" ]; then steps=$cap; fi
