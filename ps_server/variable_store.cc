@@ -252,8 +252,10 @@ absl::StatusOr<VariableStore::Part*> VariableStore::FindPart(absl::string_view v
   }
   return absl::NotFoundError(absl::StrCat("variable '", variable, "' is not on ps shard ",
                                           options_.shard_index, " (it holds ",
-                                          names.empty() ? "no variables yet; has the chief "
-                                                          "registered the model?"
+                                          names.empty() ? "no variables: the chief has not "
+                                                          "registered the model yet, or this "
+                                                          "shard restarted and lost them, as "
+                                                          "it keeps no checkpoint yet"
                                                         : absl::StrJoin(names, ", "),
                                           ")"));
 }
