@@ -25,14 +25,21 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
   Backoff backoff(options);
   absl::Status status;
   const int attempts = std::max(1, options.max_attempts);
+  const int deadline_attempts = std::max(1, options.max_deadline_attempts);
+  int made = 0, timed_out = 0;
   for (int i = 1; i <= attempts; ++i) {
     status = attempt();
+    made = i;
     if (status.ok() || !IsRetryable(status)) return status;
+    if (absl::IsDeadlineExceeded(status) && ++timed_out >= deadline_attempts) break;
     if (i == attempts) break;
     absl::SleepFor(backoff.Next());
   }
-  return absl::Status(status.code(),
-                      absl::StrCat(status.message(), " (gave up after ", attempts, " attempts)"));
+  return absl::Status(
+      status.code(),
+      absl::StrCat(status.message(), " (gave up after ", made, " attempt", made == 1 ? "" : "s",
+                   timed_out > 0 ? absl::StrCat(", ", timed_out, " of them timed out") : "",
+                   ")"));
 }
 
 }  // namespace psflow

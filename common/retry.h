@@ -19,6 +19,12 @@ struct RetryOptions {
   double multiplier = 2.0;
   double jitter = 0.2;     // each wait is scaled by a factor in [1-jitter, 1+jitter]
   int max_attempts = 10;   // attempts in all, the first included
+  // Attempts that may end in DEADLINE_EXCEEDED, the first included. Each one
+  // waited its whole deadline for a peer that did not answer (hung, or cut
+  // off without a reset), so ten of them took ten deadlines (10 minutes at
+  // the worker's 60 s) to report a hung shard; a refused connection
+  // (UNAVAILABLE) fails at once and keeps the full max_attempts.
+  int max_deadline_attempts = 2;
 };
 
 // True for the codes worth retrying: UNAVAILABLE and DEADLINE_EXCEEDED.
@@ -39,8 +45,9 @@ class Backoff {
 };
 
 // Runs `attempt` until it succeeds, fails with a non-retryable status, or
-// `max_attempts` are spent; sleeps per Backoff between attempts. The final
-// error says how many attempts were made.
+// `max_attempts` are spent (or `max_deadline_attempts` ended in
+// DEADLINE_EXCEEDED); sleeps per Backoff between attempts. The final error
+// says how many attempts were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt);
 
 }  // namespace psflow

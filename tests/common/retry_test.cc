@@ -1,0 +1,87 @@
+#include "common/retry.h"
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace psflow {
+namespace {
+
+using ::testing::HasSubstr;
+
+RetryOptions Fast() {
+  RetryOptions o;
+  o.initial_backoff = absl::Microseconds(10);
+  o.max_backoff = absl::Microseconds(100);
+  return o;
+}
+
+TEST(RetryCallTest, RefusedConnectionsAreRetriedUpToMaxAttempts) {
+  int calls = 0;
+  const absl::Status s = RetryCall(Fast(), [&] {
+    ++calls;
+    return absl::UnavailableError("connection refused");
+  });
+  EXPECT_EQ(calls, 10);
+  EXPECT_TRUE(absl::IsUnavailable(s));
+  EXPECT_THAT(s.message(), HasSubstr("connection refused (gave up after 10 attempts)"));
+}
+
+// A hung peer makes every attempt wait its whole deadline: ten of them took
+// ten deadlines to report it.
+TEST(RetryCallTest, TimeoutsAreRetriedOnlyUpToMaxDeadlineAttempts) {
+  int calls = 0;
+  absl::Status s = RetryCall(Fast(), [&] {
+    ++calls;
+    return absl::DeadlineExceededError("deadline");
+  });
+  EXPECT_EQ(calls, 2);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(s));
+  EXPECT_THAT(s.message(), HasSubstr("(gave up after 2 attempts, 2 of them timed out)"));
+
+  // Refusals do not use up the timeout allowance, nor the reverse.
+  calls = 0;
+  s = RetryCall(Fast(), [&] {
+    ++calls;
+    return calls % 3 == 0 ? absl::DeadlineExceededError("deadline")
+                          : absl::UnavailableError("refused");
+  });
+  EXPECT_EQ(calls, 6);  // timeouts at calls 3 and 6
+  EXPECT_THAT(s.message(), HasSubstr("gave up after 6 attempts, 2 of them timed out"));
+}
+
+TEST(RetryCallTest, SuccessAndPermanentErrorsEndAtOnce) {
+  int calls = 0;
+  EXPECT_TRUE(RetryCall(Fast(), [&] {
+                return ++calls < 3 ? absl::UnavailableError("x") : absl::OkStatus();
+              }).ok());
+  EXPECT_EQ(calls, 3);
+  calls = 0;
+  const absl::Status s = RetryCall(Fast(), [&] {
+    ++calls;
+    return absl::InvalidArgumentError("bad shape");
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(s.message(), "bad shape");
+}
+
+TEST(BackoffTest, GrowsWithinJitterUpToTheCap) {
+  RetryOptions o;
+  o.initial_backoff = absl::Milliseconds(100);
+  o.max_backoff = absl::Milliseconds(400);
+  o.multiplier = 2.0;
+  o.jitter = 0.2;
+  Backoff b(o);
+  const double want[] = {100, 200, 400, 400, 400};
+  for (double w : want) {
+    const double got = absl::ToDoubleMilliseconds(b.Next());
+    EXPECT_GE(got, 0.8 * w - 1e-9);
+    EXPECT_LE(got, 1.2 * w + 1e-9);
+  }
+}
+
+}  // namespace
+}  // namespace psflow
