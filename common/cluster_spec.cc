@@ -184,9 +184,8 @@ absl::Status ParseTask(const Value& task, Draft* d) {
   return absl::OkStatus();
 }
 
-// The deepest nesting of lists and objects in `json`, outside strings;
-// stops counting once past kMaxJsonDepth. Malformed input is the parser's
-// to report.
+// INVALID_ARGUMENT once lists and objects in `json` (outside strings) nest
+// deeper than kMaxJsonDepth. Malformed input is the parser's to report.
 absl::Status CheckJsonDepth(absl::string_view json) {
   int depth = 0;
   bool in_string = false;
@@ -279,9 +278,11 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("chief_host", flags.chief_host, kChief, d));
   if (!flags.task_type.empty()) {
     d->task_type = flags.task_type;
-    d->type_origin = flags.task_type_flag.empty()
-                         ? Origin{true, "", flags.task_type_default}
-                         : Origin{true, flags.task_type_flag};
+    d->type_origin = {true, flags.task_type_flag};
+  } else if (!d->task_type && !flags.default_task_type.empty()) {
+    d->task_type = flags.default_task_type;
+    d->type_origin = {true, "", absl::StrCat("the task type (", flags.default_task_type,
+                                             " by default)")};
   }
   if (flags.task_index >= 0) {
     d->task_index = flags.task_index;
@@ -395,25 +396,23 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
         "%s is %s; expected %s", d.type_origin.Where(), Quoted(*d.task_type), kExpectedTypes));
   }
   const int size = static_cast<int>(d.jobs[*job].size());
-  // TFJob (and TensorFlow's own examples) leave the evaluator out of the
-  // cluster: it trains nothing and serves nothing. TensorFlow's resolver
-  // accepts that; so do we, for index 0.
-  const bool lone_evaluator = *job == kEvaluator && size == 0 && d.task_index.value_or(0) == 0;
-  if (*job == kEvaluator && size == 0 && !lone_evaluator) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is %d but the cluster lists no \"evaluator\" addresses; expected index 0 for an "
-        "evaluator outside the cluster",
-        d.index_origin.Where(), *d.task_index));
-  }
-  if (size == 0 && !lone_evaluator) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that is "
-        "in the cluster",
-        d.type_origin.Where(), *d.task_type, kJobNames[*job]));
-  }
   int64_t index = 0;
-  if (lone_evaluator) {
-    // index 0, checked above
+  if (size == 0) {
+    // TFJob (and TensorFlow's own examples) leave the evaluator out of the
+    // cluster: it trains nothing and serves nothing. TensorFlow's resolver
+    // accepts that; so do we, for index 0.
+    if (*job != kEvaluator) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that "
+          "is in the cluster",
+          d.type_origin.Where(), *d.task_type, kJobNames[*job]));
+    }
+    if (d.task_index.value_or(0) != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s is %d but the cluster lists no \"evaluator\" addresses; expected index 0 for an "
+          "evaluator outside the cluster",
+          d.index_origin.Where(), *d.task_index));
+    }
   } else if (d.task_index) {
     index = *d.task_index;
     if (index < 0 || index >= size) {

@@ -79,14 +79,16 @@ struct ClusterFlags {
   std::string task_type;     // --task_type: chief|worker|ps|evaluator|master
   int task_index = -1;       // --task_index
 
+  // The binary's own task type when neither task_type nor TF_CONFIG's
+  // "task.type" gives one (ps_server's is "ps", the worker's "worker").
+  // Unlike task_type it does not override TF_CONFIG.
+  std::string default_task_type;
+
   // How errors name the pieces above, for a binary whose flags differ:
-  // ps_server calls its index --shard_index, has no --task_type and no
-  // worker or chief hosts flags.
+  // ps_server calls its index --shard_index, has no --task_type (empty here)
+  // and no worker or chief hosts flags.
   std::string task_index_flag = "task_index";
-  // Empty: task_type, when given, is the binary's own default, described by
-  // task_type_default (e.g. "ps_server's task type").
   std::string task_type_flag = "task_type";
-  std::string task_type_default;
   std::vector<std::string> hosts_flags = {"ps_hosts", "worker_hosts", "chief_host"};
 };
 

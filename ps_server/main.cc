@@ -150,29 +150,16 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     flags.ps_hosts = absl::GetFlag(FLAGS_ps_hosts);
     flags.task_index_flag = "shard_index";
     flags.task_type_flag = "";  // ps_server has no --task_type
+    flags.default_task_type = "ps";  // TF_CONFIG's task.type, when given, wins
     flags.hosts_flags = {"ps_hosts"};
-    if (shard_flag || no_tf_config) {
-      flags.task_type = "ps";
-      flags.task_type_default = "ps_server's task type";
-    }
     if (shard_flag) flags.task_index = *shard_flag;
     auto cluster = psflow::ResolveCluster(tf_config, flags);
     if (!cluster.ok()) return cluster.status();
-    if (shard_flag && !no_tf_config) {
-      // --shard_index makes this a ps task; TF_CONFIG must not say otherwise.
-      psflow::ClusterFlags own;
-      own.task_type_flag = "";
-      auto from_tf_config = psflow::ResolveCluster(tf_config, own);
-      if (from_tf_config.ok() && from_tf_config->task_type != "ps") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--shard_index=", *shard_flag, " but TF_CONFIG's task is \"",
-            from_tf_config->task_type, "\" ", from_tf_config->task_index,
-            "; expected TF_CONFIG task.type \"ps\" (or no --shard_index)"));
-      }
-    }
     if (cluster->task_type != "ps") {
+      // Also with --shard_index: it does not make a worker's host a shard.
       return absl::InvalidArgumentError(absl::StrCat(
-          "this process's task is \"", cluster->task_type, "\" ", cluster->task_index,
+          shard_flag ? absl::StrCat("--shard_index=", *shard_flag, " but ") : "",
+          "TF_CONFIG's task is \"", cluster->task_type, "\" ", cluster->task_index,
           "; ps_server serves a \"ps\" task (set TF_CONFIG task.type to \"ps\")"));
     }
     shard_index = cluster->task_index;

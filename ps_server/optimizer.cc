@@ -43,7 +43,7 @@ void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
     const float vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
     m[i] = mi;
     v[i] = vi;
-    p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);  // Keras: (m * alpha) / ...
+    p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);
   }
 }
 

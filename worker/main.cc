@@ -109,18 +109,13 @@ int main(int argc, char** argv) {
     }
     flags.task_index = *index;
   }
+  flags.default_task_type = "worker";  // TF_CONFIG's task.type, when given, wins
   const char* tf_config = std::getenv("TF_CONFIG");
-  if (psflow::TfConfigAbsent(tf_config)) {
-    if (flags.worker_hosts.empty() && flags.chief_host.empty()) {
-      return Fail(absl::InvalidArgumentError(
-          "without TF_CONFIG, give --worker_hosts (every worker's \"host:port\", this one "
-          "included; they number the replicas) and/or --chief_host"));
-    }
-    if (flags.task_type.empty()) {
-      flags.task_type = "worker";
-      flags.task_type_flag = "";
-      flags.task_type_default = "the task type (worker: no TF_CONFIG and no --task_type)";
-    }
+  if (psflow::TfConfigAbsent(tf_config) && flags.worker_hosts.empty() &&
+      flags.chief_host.empty()) {
+    return Fail(absl::InvalidArgumentError(
+        "without TF_CONFIG, give --worker_hosts (every worker's \"host:port\", this one "
+        "included; they number the replicas) and/or --chief_host"));
   }
   auto cluster = psflow::ResolveCluster(tf_config, flags);
   if (!cluster.ok()) return Fail(cluster.status());
@@ -163,20 +158,20 @@ int main(int argc, char** argv) {
   auto model = ParseModel(absl::GetFlag(FLAGS_model),
                           {data->train.height, data->train.width, data->train.channels});
   if (!model.ok()) return Fail(model.status());
+  int64_t parameters = 0;
+  for (const auto& v : model->variables) parameters += v.num_elements();
   {
     // The trainer keeps two parameter and two gradient buffers, and a
     // backend its own copies of the weights: a model beyond the machine's
     // memory is refused here instead of ending in std::bad_alloc.
-    int64_t elements = 0;
-    for (const auto& v : model->variables) elements += v.num_elements();
-    const double need = static_cast<double>(elements) * 4 * 6;
+    const double need = static_cast<double>(parameters) * 4 * 6;
     const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
     if (have > 0 && need > have) {
       return Fail(absl::ResourceExhaustedError(absl::StrFormat(
           "--model=%s has %d parameters, which need about %.1f GiB here (6 float32 copies: "
           "parameters and gradients, twice each, and the backend's), but the machine has "
           "%.1f GiB",
-          absl::GetFlag(FLAGS_model), elements, need / (1 << 30), have / (1 << 30))));
+          absl::GetFlag(FLAGS_model), parameters, need / (1 << 30), have / (1 << 30))));
     }
   }
 
@@ -212,8 +207,6 @@ int main(int argc, char** argv) {
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());
 
-  int64_t parameters = 0;
-  for (const auto& v : model->variables) parameters += v.num_elements();
   std::printf("worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples "
               "shared by %d workers each epoch, device %s, %d threads, %zu ps shards (%d "
               "connections each)\n",

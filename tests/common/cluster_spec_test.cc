@@ -384,8 +384,7 @@ TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   EXPECT_THAT(none, ::testing::Not(HasSubstr("--worker_hosts")));
   ps.ps_hosts = "p0:1,p1:1";
   EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)), HasSubstr("TF_CONFIG: missing \"task.type\""));
-  ps.task_type = "ps";
-  ps.task_type_default = "ps_server's task type";
+  ps.default_task_type = "ps";
   const std::string no_index = ErrorOf(ResolveCluster(nullptr, ps));
   EXPECT_THAT(no_index, HasSubstr("--shard_index was not given"));
   EXPECT_THAT(no_index, ::testing::Not(HasSubstr("--task_index")));
@@ -395,12 +394,22 @@ TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   // A default task type is described, not blamed on a flag.
   ClusterFlags worker;
   worker.ps_hosts = "p0:1";
-  worker.task_type = "worker";
-  worker.task_type_flag = "";
-  worker.task_type_default = "the task type (worker by default)";
+  worker.default_task_type = "worker";
   EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, worker)),
               HasSubstr("the task type (worker by default) is \"worker\" but the cluster lists "
                         "no \"worker\" addresses"));
+  // TF_CONFIG's task type wins over the default; --task_type over both.
+  const std::string json =
+      R"({"cluster":{"ps":["p0:1"],"worker":["w0:1"]},"task":{"type":"worker"}})";
+  ClusterFlags ps_default;
+  ps_default.default_task_type = "ps";
+  absl::StatusOr<ClusterSpec> spec = ResolveCluster(json.c_str(), ps_default);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_type, "worker");
+  ps_default.task_type = "ps";
+  spec = ResolveCluster(json.c_str(), ps_default);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_type, "ps");
 }
 
 TEST(ResolveClusterTest, BlankTfConfigIsAbsent) {
