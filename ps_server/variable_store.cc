@@ -305,7 +305,6 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
   std::vector<const PartDefinition*> new_parts;
   // Bytes per element of a part: its parameter and the optimizer's slots.
   const int64_t element_bytes = 4 * (1 + optimizer_->num_slots());
-  int64_t new_bytes = 0;
   for (PartDefinition& def : parts) {
     def.plan_fingerprint = plan_fingerprint;
     PSFLOW_RETURN_IF_ERROR(ValidateDefinition(def));
@@ -331,14 +330,28 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
     reg->pending_.emplace(def.variable, Registration::Pending{});
     if (exists) continue;
     new_parts.push_back(&def);
-    // ValidateDefinition bounds a part by 2^56 elements, so none of this
-    // overflows until a header lists thousands of such parts.
-    if (__builtin_add_overflow(new_bytes, def.num_elements() * element_bytes, &new_bytes)) {
-      new_bytes = INT64_MAX;
-    }
   }
   if (max_variable_bytes_ > 0 && !new_parts.empty()) {
     absl::MutexLock lock(&parts_mu_);
+    // Another registration may have committed some of these parts since
+    // they were looked up: those are now held (and counted in `held`), and
+    // Commit keeps them, so they must not be counted again here. (Counted
+    // twice, a model of more than half the limit was refused for good.) A
+    // part registered meanwhile with another layout stays, for Commit to
+    // refuse.
+    std::erase_if(new_parts, [&](const PartDefinition* def) {
+      auto it = parts_.find(def->variable);
+      return it != parts_.end() && it->second->def.SameLayout(*def) &&
+             it->second->def.plan_fingerprint == def->plan_fingerprint;
+    });
+    // ValidateDefinition bounds a part by 2^56 elements, so none of this
+    // overflows until a header lists thousands of such parts.
+    int64_t new_bytes = 0;
+    for (const PartDefinition* def : new_parts) {
+      if (__builtin_add_overflow(new_bytes, def->num_elements() * element_bytes, &new_bytes)) {
+        new_bytes = INT64_MAX;
+      }
+    }
     const int64_t held = parameter_bytes_.load() / 4 * element_bytes;
     const int64_t room = max_variable_bytes_ - std::min(held, max_variable_bytes_);
     const int64_t unreserved = room - std::min(reserved_bytes_, room);

@@ -210,6 +210,46 @@ TEST(VariableStoreTest, RegistrationsInProgressReserveTheirBytes) {
   EXPECT_EQ(store->ListParts().size(), 2u);
 }
 
+// Workers registering the same model at once, the model taking more than
+// half of the limit: a registration whose header was read while another
+// committed must find those parts registered, not count their bytes a
+// second time and refuse with RESOURCE_EXHAUSTED (which clients do not
+// retry). Only UNAVAILABLE (retried) or success may come back.
+TEST(VariableStoreTest, ConcurrentRegistrationsOfOneModelNeverExhaustTheLimit) {
+  VariableStoreOptions options;  // Adam: 12 bytes per element
+  options.max_variable_bytes = 12 * 100;
+  std::vector<float> zeros(60, 0.0f);
+  constexpr int kThreads = 3;
+  for (int round = 0; round < 400; ++round) {
+    auto created = VariableStore::Create(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    VariableStore* store = created->get();
+    std::barrier start(kThreads);
+    std::vector<absl::Status> results(kThreads);
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        start.arrive_and_wait();
+        absl::Status status = absl::UnavailableError("not tried");
+        for (int attempt = 0; attempt < 100000 && absl::IsUnavailable(status); ++attempt) {
+          auto reg = store->BeginRegistration(7, 1, 0, {Def("w", {60}, 0, 60)});
+          status = reg.status();
+          if (!reg.ok()) continue;
+          status = (*reg)->AddValues("w", 0, zeros.data(), 60);
+          if (status.ok()) status = (*reg)->Commit().status();
+        }
+        results[t] = status;
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (int t = 0; t < kThreads; ++t) {
+      ASSERT_TRUE(results[t].ok()) << "round " << round << ", registration " << t << ": "
+                                   << results[t];
+    }
+    ASSERT_EQ(store->ListParts().size(), 1u);
+  }
+}
+
 // A registration that finds, at commit, one of its parts registered
 // meanwhile with another layout adds none of its parts.
 TEST(VariableStoreTest, ConflictAtCommitRegistersNothing) {
