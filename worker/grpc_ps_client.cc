@@ -693,7 +693,7 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
     return absl::InvalidArgumentError("no ps addresses given (--ps_hosts or TF_CONFIG cluster.ps)");
   }
   if (options.streams_per_shard < 1 || options.streams_per_shard > 64) {
-    return absl::InvalidArgumentError(absl::StrCat("streams_per_shard is ",
+    return absl::InvalidArgumentError(absl::StrCat("streams_per_shard (--ps_streams) is ",
                                                    options.streams_per_shard,
                                                    "; expected 1 to 64"));
   }
@@ -704,8 +704,9 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
                      "; expected a positive, finite deadline for each call (--rpc_timeout_s)"));
   }
   if (options.max_chunk_bytes < 4) {
-    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,
-                                                   "; expected at least 4"));
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes (--max_chunk_bytes) is ",
+                                                   options.max_chunk_bytes,
+                                                   "; expected at least 4, one float"));
   }
   PartitionOptions plan_options;
   plan_options.num_shards = static_cast<int>(options.ps_addresses.size());

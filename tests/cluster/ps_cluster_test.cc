@@ -420,7 +420,12 @@ TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
   options.streams_per_shard = 0;
   auto client = CreateGrpcPsClient({{"w", {3}}}, options);
   EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(client.status().message(), HasSubstr("streams_per_shard is 0"));
+  EXPECT_THAT(client.status().message(), HasSubstr("streams_per_shard (--ps_streams) is 0"));
+  options.streams_per_shard = 1;
+  options.max_chunk_bytes = 3;
+  client = CreateGrpcPsClient({{"w", {3}}}, options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(client.status().message(), HasSubstr("max_chunk_bytes (--max_chunk_bytes) is 3"));
   // The worker's default (--ps_streams=0): more connections only where
   // there are cores to receive them.
   EXPECT_EQ(AutoStreamsPerShard(0), 1);  // core count unknown

@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "common/status_macros.h"
 
 namespace psflow::worker {
@@ -76,12 +77,8 @@ class GzReader {
       out.resize(start + chunk);
       const int got = gzread(file_, out.data() + start, static_cast<unsigned>(chunk));
       if (got < 0) {
-        int errnum = 0;
-        const char* msg = gzerror(file_, &errnum);
         out.resize(start);
-        return absl::DataLossError(
-            absl::StrCat("file ", path_, ": read failed after ", total, " bytes: ",
-                         errnum == Z_ERRNO ? std::strerror(errno) : msg));
+        return ZlibError();
       }
       out.resize(start + static_cast<size_t>(got));
       total += static_cast<size_t>(got);
@@ -135,11 +132,30 @@ class GzReader {
   // missing only its 8-byte trailer) as Z_BUF_ERROR, not as a failed read.
   absl::Status CheckCleanEnd() {
     int errnum = Z_OK;
-    const char* msg = gzerror(file_, &errnum);
+    gzerror(file_, &errnum);
     if (errnum == Z_OK) return absl::OkStatus();
-    return absl::DataLossError(absl::StrCat("file ", path_, " is truncated: the gzip stream ",
-                                            errnum == Z_BUF_ERROR ? "ends early" : msg,
-                                            " (expected its end and CRC trailer)"));
+    if (errnum == Z_BUF_ERROR) {
+      return absl::DataLossError(absl::StrCat("file ", path_,
+                                              " is truncated: the gzip stream ends early "
+                                              "(expected its end and CRC trailer)"));
+    }
+    return ZlibError();
+  }
+
+  // The error of a failed read: the system's (an I/O error) or zlib's (a
+  // corrupt gzip stream, e.g. a wrong CRC), named once.
+  absl::Status ZlibError() {
+    int errnum = Z_OK;
+    const char* msg = gzerror(file_, &errnum);
+    if (errnum == Z_ERRNO) {
+      return absl::DataLossError(
+          absl::StrCat("file ", path_, " could not be read: ", std::strerror(errno)));
+    }
+    // zlib's message starts with the path it was opened with; say it once.
+    absl::string_view reason = msg == nullptr || *msg == '\0' ? "unknown zlib error" : msg;
+    absl::ConsumePrefix(&reason, path_ + ": ");
+    return absl::DataLossError(
+        absl::StrCat("file ", path_, " is corrupt: ", reason, " (expected a valid gzip stream)"));
   }
 
   std::string path_;

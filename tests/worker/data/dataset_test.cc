@@ -186,6 +186,25 @@ TEST(LoadIdxTest, GzipWithoutItsTrailerIsDataLoss) {
   EXPECT_THAT(data.status().message(), AllOf(HasSubstr(cut), HasSubstr("ends early")));
 }
 
+// A wrong CRC is corruption, not truncation; zlib's own message carries the
+// path, which the error names once.
+TEST(LoadIdxTest, GzipWithAWrongCrcIsDataLoss) {
+  const std::string dir = TestDir();
+  const SmallIdx files = WriteSmallIdx(dir, /*gzip=*/true);
+  std::ifstream in(files.images, std::ios::binary);
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GT(bytes.size(), 8u);
+  bytes[bytes.size() - 8] ^= 0xff;  // the CRC-32's first byte
+  const std::string bad = dir + "/bad_crc.gz";
+  WriteFile(bad, bytes, false);
+  absl::StatusOr<Dataset> data = LoadIdx(bad, files.labels, "x");
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kDataLoss) << data.status();
+  const std::string message(data.status().message());
+  EXPECT_THAT(message, AllOf(HasSubstr("is corrupt"), HasSubstr("incorrect data check")));
+  ASSERT_NE(message.find(bad), std::string::npos) << message;
+  EXPECT_EQ(message.find(bad, message.find(bad) + 1), std::string::npos) << message;
+}
+
 // A header that declares fewer examples than the file holds (a wrong count,
 // or two files joined) used to load the first ones silently.
 TEST(LoadIdxTest, DataAfterTheDeclaredExamplesIsInvalidArgument) {
