@@ -17,9 +17,13 @@
 #include "gtest/gtest.h"
 #include "psflow.pb.h"
 #include "tests/common/proto_bytes_variant.h"
+#include "tests/common/wire_compare.h"
 
 namespace psflow::wire {
 namespace {
+
+using test_support::CompareWithProtobuf;
+using test_support::SegmentData;
 
 std::string Floats(int n, float base) {
   std::string out(n * 4, '\0');
@@ -39,11 +43,6 @@ std::vector<absl::string_view> Split(const std::string& bytes, size_t size) {
   return out;
 }
 
-std::string Data(const DecodedMessage& m, const DecodedSegment& s) {
-  std::string out(s.data_bytes, '\0');
-  m.CopyData(s, out.data());
-  return out;
-}
 
 TEST(GrpcWireTest, EncodedPushRequestParsesWithProtobuf) {
   const std::string d1 = Floats(300, 1.5f), d2 = Floats(3, -7.0f);
@@ -111,7 +110,7 @@ TEST(GrpcWireTest, DecodesProtobufPushSplitIntoTinyPieces) {
     for (int i = 0; i < 3; ++i) {
       EXPECT_EQ(out.segments[i].variable, msg.segments(i).variable());
       EXPECT_EQ(out.segments[i].offset, msg.segments(i).offset());
-      EXPECT_EQ(Data(out, out.segments[i]), msg.segments(i).data());
+      EXPECT_EQ(SegmentData(out, out.segments[i]), msg.segments(i).data());
     }
   }
 }
@@ -150,7 +149,7 @@ TEST(GrpcWireTest, SkipsUnknownFieldsOfEveryWireType) {
   EXPECT_FALSE(out.has_header);
   ASSERT_EQ(out.num_segments, 1u);
   EXPECT_EQ(out.segments[0].variable, "v");
-  EXPECT_EQ(Data(out, out.segments[0]), Floats(1, 3.0f));
+  EXPECT_EQ(SegmentData(out, out.segments[0]), Floats(1, 3.0f));
   // Protobuf agrees.
   PushRequest parsed;
   ASSERT_TRUE(parsed.ParseFromString(bytes));
@@ -330,101 +329,6 @@ std::vector<absl::string_view> RandomPieces(const std::string& bytes, std::mt199
   return out;
 }
 
-// Every run of decoded data lies inside one of the pieces.
-bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::string_view> pieces) {
-  for (size_t i = 0; i < m.num_segments; ++i) {
-    const DecodedSegment& s = m.segments[i];
-    int64_t total = 0;
-    for (size_t r = s.first_run; r < s.first_run + s.num_runs; ++r) {
-      if (r >= m.data_runs.size()) return false;
-      const absl::string_view run = m.data_runs[r];
-      bool inside = false;
-      for (absl::string_view p : pieces) {
-        inside = inside || (run.data() >= p.data() && run.data() + run.size() <= p.data() + p.size());
-      }
-      if (!inside) return false;
-      total += static_cast<int64_t>(run.size());
-    }
-    if (total != s.data_bytes) return false;
-  }
-  return true;
-}
-
-// protobuf's own parser, with Segment.variable read as bytes (see
-// tests/common/proto_bytes_variant.h).
-std::unique_ptr<google::protobuf::Message> NewBytesVariant(MessageKind kind) {
-  return test_support::NewBytesVariant(kind == MessageKind::kPushRequest ? "psflow.PushRequest"
-                                                                          : "psflow.PullResponse");
-}
-
-// Field `name` of `m`, read through reflection.
-const google::protobuf::FieldDescriptor* Field(const google::protobuf::Message& m,
-                                               const char* name) {
-  return m.GetDescriptor()->FindFieldByName(name);
-}
-
-// Compares what this decoder made of `bytes` with what protobuf's parser
-// makes of them; empty when they agree, else what differs.
-std::string Compare(MessageKind kind, const std::string& bytes,
-                    absl::Span<const absl::string_view> pieces) {
-  DecodedMessage ours;
-  const absl::Status status = Decode(kind, pieces, &ours);
-  std::unique_ptr<google::protobuf::Message> theirs = NewBytesVariant(kind);
-  const bool protobuf_ok = theirs->ParseFromString(bytes);
-  if (!status.ok()) {
-    if (status.code() != absl::StatusCode::kInvalidArgument) {
-      return absl::StrCat("error of the wrong code: ", status.ToString());
-    }
-    // The one deliberate difference: protobuf keeps a known field of the
-    // wrong wire type as an unknown field, this decoder refuses it.
-    if (protobuf_ok && status.message().find("has wire type") == absl::string_view::npos) {
-      return absl::StrCat("protobuf parses it but the decoder says: ", status.ToString());
-    }
-    return "";
-  }
-  if (!RunsInsidePieces(ours, pieces)) return "a data run lies outside the pieces";
-  if (!protobuf_ok) return "the decoder accepts what protobuf refuses";
-  const google::protobuf::Reflection& r = *theirs->GetReflection();
-  const google::protobuf::FieldDescriptor* segments = Field(*theirs, "segments");
-  if (static_cast<int>(ours.num_segments) != r.FieldSize(*theirs, segments)) {
-    return absl::StrCat(ours.num_segments, " segments, protobuf ",
-                        r.FieldSize(*theirs, segments));
-  }
-  for (size_t i = 0; i < ours.num_segments; ++i) {
-    const DecodedSegment& s = ours.segments[i];
-    const google::protobuf::Message& t =
-        r.GetRepeatedMessage(*theirs, segments, static_cast<int>(i));
-    const google::protobuf::Reflection& tr = *t.GetReflection();
-    const std::string variable = tr.GetString(t, Field(t, "variable"));
-    const int64_t offset = tr.GetInt64(t, Field(t, "offset"));
-    const std::string data = tr.GetString(t, Field(t, "data"));
-    if (s.variable != variable || s.offset != offset || Data(ours, s) != data) {
-      return absl::StrCat("segment ", i, " differs: '", absl::CHexEscape(s.variable), "' at ",
-                          s.offset, " with ", s.data_bytes, " bytes; protobuf: '",
-                          absl::CHexEscape(variable), "' at ", offset, " with ", data.size());
-    }
-  }
-  if (kind == MessageKind::kPushRequest) {
-    const google::protobuf::FieldDescriptor* header = Field(*theirs, "header");
-    const google::protobuf::Message& h = r.GetMessage(*theirs, header);
-    const google::protobuf::Reflection& hr = *h.GetReflection();
-    if (ours.has_header != r.HasField(*theirs, header) ||
-        ours.header.worker_id != hr.GetInt32(h, Field(h, "worker_id")) ||
-        ours.header.step != hr.GetInt64(h, Field(h, "step")) ||
-        ours.header.read_version != hr.GetInt64(h, Field(h, "read_version")) ||
-        ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id"))) {
-      return "the header differs";
-    }
-  } else {
-    const google::protobuf::FieldDescriptor* versions = Field(*theirs, "versions");
-    std::vector<int64_t> expected;
-    for (int i = 0; i < r.FieldSize(*theirs, versions); ++i) {
-      expected.push_back(r.GetRepeatedInt64(*theirs, versions, i));
-    }
-    if (ours.versions != expected) return "the versions differ";
-  }
-  return "";
-}
 
 void FuzzAgainstProtobuf(MessageKind kind, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -434,7 +338,7 @@ void FuzzAgainstProtobuf(MessageKind kind, uint64_t seed) {
     std::string bytes = RandomMessage(kind, rng);
     for (uint64_t m = 1 + rng() % 3; m > 0; --m) Mutate(&bytes, rng);
     const std::vector<absl::string_view> pieces = RandomPieces(bytes, rng);
-    const std::string diff = Compare(kind, bytes, pieces);
+    const std::string diff = CompareWithProtobuf(kind, bytes, pieces);
     ASSERT_EQ(diff, "") << "case " << i << " of seed " << seed << ", " << pieces.size()
                         << " pieces: \"" << absl::CHexEscape(bytes) << "\"";
     DecodedMessage out;

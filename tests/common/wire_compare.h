@@ -1,0 +1,128 @@
+// The shard's zero-copy decoder (common/grpc_wire.h) against protobuf's own
+// parser: what grpc_wire_test's mutated messages and the coverage-guided
+// fuzzer (tests/fuzz/) check on every input.
+#ifndef PSFLOW_TESTS_COMMON_WIRE_COMPARE_H_
+#define PSFLOW_TESTS_COMMON_WIRE_COMPARE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "common/grpc_wire.h"
+#include "google/protobuf/message.h"
+#include "tests/common/proto_bytes_variant.h"
+
+namespace psflow::wire::test_support {
+
+// The bytes of segment `s`, copied out of the message's data runs.
+inline std::string SegmentData(const DecodedMessage& m, const DecodedSegment& s) {
+  std::string out(s.data_bytes, '\0');
+  m.CopyData(s, out.data());
+  return out;
+}
+
+// Every run of decoded data lies inside one of the pieces.
+inline bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::string_view> pieces) {
+  for (size_t i = 0; i < m.num_segments; ++i) {
+    const DecodedSegment& s = m.segments[i];
+    int64_t total = 0;
+    for (size_t r = s.first_run; r < s.first_run + s.num_runs; ++r) {
+      if (r >= m.data_runs.size()) return false;
+      const absl::string_view run = m.data_runs[r];
+      bool inside = false;
+      for (absl::string_view p : pieces) {
+        inside = inside || (run.data() >= p.data() && run.data() + run.size() <= p.data() + p.size());
+      }
+      if (!inside) return false;
+      total += static_cast<int64_t>(run.size());
+    }
+    if (total != s.data_bytes) return false;
+  }
+  return true;
+}
+
+// protobuf's own parser, with Segment.variable read as bytes (see
+// tests/common/proto_bytes_variant.h).
+inline std::unique_ptr<google::protobuf::Message> NewBytesVariant(MessageKind kind) {
+  return psflow::test_support::NewBytesVariant(kind == MessageKind::kPushRequest ? "psflow.PushRequest"
+                                                                          : "psflow.PullResponse");
+}
+
+// Field `name` of `m`, read through reflection.
+inline const google::protobuf::FieldDescriptor* Field(const google::protobuf::Message& m,
+                                               const char* name) {
+  return m.GetDescriptor()->FindFieldByName(name);
+}
+
+// Compares what this decoder made of `bytes` with what protobuf's parser
+// makes of them; empty when they agree, else what differs.
+inline std::string CompareWithProtobuf(MessageKind kind, const std::string& bytes,
+                    absl::Span<const absl::string_view> pieces) {
+  DecodedMessage ours;
+  const absl::Status status = Decode(kind, pieces, &ours);
+  std::unique_ptr<google::protobuf::Message> theirs = NewBytesVariant(kind);
+  const bool protobuf_ok = theirs->ParseFromString(bytes);
+  if (!status.ok()) {
+    if (status.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::StrCat("error of the wrong code: ", status.ToString());
+    }
+    // The one deliberate difference: protobuf keeps a known field of the
+    // wrong wire type as an unknown field, this decoder refuses it.
+    if (protobuf_ok && status.message().find("has wire type") == absl::string_view::npos) {
+      return absl::StrCat("protobuf parses it but the decoder says: ", status.ToString());
+    }
+    return "";
+  }
+  if (!RunsInsidePieces(ours, pieces)) return "a data run lies outside the pieces";
+  if (!protobuf_ok) return "the decoder accepts what protobuf refuses";
+  const google::protobuf::Reflection& r = *theirs->GetReflection();
+  const google::protobuf::FieldDescriptor* segments = Field(*theirs, "segments");
+  if (static_cast<int>(ours.num_segments) != r.FieldSize(*theirs, segments)) {
+    return absl::StrCat(ours.num_segments, " segments, protobuf ",
+                        r.FieldSize(*theirs, segments));
+  }
+  for (size_t i = 0; i < ours.num_segments; ++i) {
+    const DecodedSegment& s = ours.segments[i];
+    const google::protobuf::Message& t =
+        r.GetRepeatedMessage(*theirs, segments, static_cast<int>(i));
+    const google::protobuf::Reflection& tr = *t.GetReflection();
+    const std::string variable = tr.GetString(t, Field(t, "variable"));
+    const int64_t offset = tr.GetInt64(t, Field(t, "offset"));
+    const std::string data = tr.GetString(t, Field(t, "data"));
+    if (s.variable != variable || s.offset != offset || SegmentData(ours, s) != data) {
+      return absl::StrCat("segment ", i, " differs: '", absl::CHexEscape(s.variable), "' at ",
+                          s.offset, " with ", s.data_bytes, " bytes; protobuf: '",
+                          absl::CHexEscape(variable), "' at ", offset, " with ", data.size());
+    }
+  }
+  if (kind == MessageKind::kPushRequest) {
+    const google::protobuf::FieldDescriptor* header = Field(*theirs, "header");
+    const google::protobuf::Message& h = r.GetMessage(*theirs, header);
+    const google::protobuf::Reflection& hr = *h.GetReflection();
+    if (ours.has_header != r.HasField(*theirs, header) ||
+        ours.header.worker_id != hr.GetInt32(h, Field(h, "worker_id")) ||
+        ours.header.step != hr.GetInt64(h, Field(h, "step")) ||
+        ours.header.read_version != hr.GetInt64(h, Field(h, "read_version")) ||
+        ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id"))) {
+      return "the header differs";
+    }
+  } else {
+    const google::protobuf::FieldDescriptor* versions = Field(*theirs, "versions");
+    std::vector<int64_t> expected;
+    for (int i = 0; i < r.FieldSize(*theirs, versions); ++i) {
+      expected.push_back(r.GetRepeatedInt64(*theirs, versions, i));
+    }
+    if (ours.versions != expected) return "the versions differ";
+  }
+  return "";
+}
+
+}  // namespace psflow::wire::test_support
+
+#endif  // PSFLOW_TESTS_COMMON_WIRE_COMPARE_H_
