@@ -38,6 +38,12 @@ void PutBigEndian(std::vector<uint8_t>& out, uint32_t v) {
   for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<uint8_t>(v >> shift));
 }
 
+// The file's bytes as they are on disk (still gzip'd, if they are).
+std::vector<uint8_t> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 void WriteFile(const std::string& path, const std::vector<uint8_t>& bytes, bool gzip) {
   if (gzip) {
     gzFile f = gzopen(path.c_str(), "wb");
@@ -157,8 +163,7 @@ TEST(LoadIdxTest, GzipStreamCutShortIsDataLoss) {
   for (size_t i = 0; i < pixels.size(); ++i) pixels[i] = static_cast<uint8_t>((i * 2654435761u) >> 13);
   const std::string full = dir + "/full.gz";
   WriteFile(full, IdxImages(50, 10, 10, pixels), true);
-  std::ifstream in(full, std::ios::binary);
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<uint8_t> bytes = ReadFile(full);
   ASSERT_GT(bytes.size(), 200u);
   bytes.resize(bytes.size() / 2);
   const std::string cut = dir + "/cut.gz";
@@ -175,8 +180,7 @@ TEST(LoadIdxTest, GzipStreamCutShortIsDataLoss) {
 TEST(LoadIdxTest, GzipWithoutItsTrailerIsDataLoss) {
   const std::string dir = TestDir();
   const SmallIdx files = WriteSmallIdx(dir, /*gzip=*/true);
-  std::ifstream in(files.images, std::ios::binary);
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<uint8_t> bytes = ReadFile(files.images);
   ASSERT_GT(bytes.size(), 8u);
   bytes.resize(bytes.size() - 8);
   const std::string cut = dir + "/no_trailer.gz";
@@ -191,8 +195,7 @@ TEST(LoadIdxTest, GzipWithoutItsTrailerIsDataLoss) {
 TEST(LoadIdxTest, GzipWithAWrongCrcIsDataLoss) {
   const std::string dir = TestDir();
   const SmallIdx files = WriteSmallIdx(dir, /*gzip=*/true);
-  std::ifstream in(files.images, std::ios::binary);
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<uint8_t> bytes = ReadFile(files.images);
   ASSERT_GT(bytes.size(), 8u);
   bytes[bytes.size() - 8] ^= 0xff;  // the CRC-32's first byte
   const std::string bad = dir + "/bad_crc.gz";
