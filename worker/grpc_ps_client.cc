@@ -394,8 +394,8 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Runs fn(k, begin, end) for each stream k of a push to shard s, in
-  // parallel, with messages [begin, end) of the shard's push. The first
-  // error that a retry cannot cure wins, else the first error.
+  // parallel, with messages [begin, end) of the shard's push; their
+  // statuses combined by CombineStreamStatuses.
   absl::Status ForEachStream(int s, const std::function<absl::Status(int, size_t, size_t)>& fn) {
     auto run = [&](int k) {
       const auto [begin, end] = StreamShare(s, k);
@@ -403,12 +403,7 @@ class GrpcPsClient final : public PsClient {
     };
     const int streams = NumStreams(s);
     if (streams == 1) return run(0);
-    absl::Status first;
-    for (const absl::Status& r : RunInParallel(streams, run)) {
-      if (!r.ok() && !IsRetryable(r)) return r;
-      if (first.ok()) first = r;
-    }
-    return first;
+    return CombineStreamStatuses(RunInParallel(streams, run));
   }
 
   // Refuses a gradient with NaN/Inf before anything is sent, so that no
@@ -686,6 +681,17 @@ class GrpcPsClient final : public PsClient {
 }  // namespace
 
 int AutoStreamsPerShard(int cores) { return cores >= 8 ? 4 : 1; }
+
+absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses) {
+  absl::Status first;
+  for (const absl::Status& s : statuses) {
+    if (!s.ok() && !IsRetryable(s)) return s;
+    if (first.ok() || (absl::IsDeadlineExceeded(s) && !absl::IsDeadlineExceeded(first))) {
+      first = s;
+    }
+  }
+  return first;
+}
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options) {

@@ -10,8 +10,10 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "common/grpc_args.h"
 #include "common/retry.h"
 #include "common/variable_spec.h"
@@ -46,6 +48,13 @@ struct GrpcPsClientOptions {
 // the shards and the kernel's socket copies already share both cores, and
 // more connections only add threads).
 int AutoStreamsPerShard(int cores);
+
+// One status for a call split over a shard's connections: the first error
+// that a retry cannot cure, else a timeout (so that the retry loop counts
+// the attempt as timed out: it waited a whole deadline for the slowest
+// connection, whatever the others got quickly), else the first error, else
+// OK.
+absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses);
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options);

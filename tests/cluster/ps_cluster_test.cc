@@ -33,6 +33,7 @@ using server::PsServer;
 using server::PsServerOptions;
 using ::testing::HasSubstr;
 using worker::AutoStreamsPerShard;
+using worker::CombineStreamStatuses;
 using worker::CreateGrpcPsClient;
 using worker::GrpcPsClientOptions;
 using worker::PsClient;
@@ -433,6 +434,21 @@ TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
   EXPECT_EQ(AutoStreamsPerShard(7), 1);
   EXPECT_EQ(AutoStreamsPerShard(8), 4);
   EXPECT_EQ(AutoStreamsPerShard(16), 4);
+}
+
+// A call split over connections: one connection refused quickly while
+// another waited out its deadline is a timed-out attempt, so that the
+// retry loop's cap on timeouts applies; an error no retry cures wins.
+TEST(CombineStreamStatusesTest, TimeoutsOutrankOtherRetryableErrors) {
+  const absl::Status ok, refused = absl::UnavailableError("refused"),
+                         hung = absl::DeadlineExceededError("hung"),
+                         bad = absl::InvalidArgumentError("bad");
+  EXPECT_TRUE(CombineStreamStatuses({ok, ok}).ok());
+  EXPECT_EQ(CombineStreamStatuses({ok, refused}), refused);
+  EXPECT_EQ(CombineStreamStatuses({refused, hung}), hung);
+  EXPECT_EQ(CombineStreamStatuses({hung, refused}), hung);
+  EXPECT_EQ(CombineStreamStatuses({refused, hung, bad}), bad);
+  EXPECT_EQ(CombineStreamStatuses({refused, absl::UnavailableError("second")}), refused);
 }
 
 void PsClusterTest::CheckPushPullValues(int streams) {
