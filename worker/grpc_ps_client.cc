@@ -34,8 +34,13 @@ void AppendVarint(std::string* out, uint64_t v) {
 // Builds PushRequest messages in protobuf's wire format as grpc::ByteBuffers
 // whose data slices point at the caller's floats, so the gradient is not
 // copied on the client (the generated code copies it into a string, then
-// again into gRPC's slices). STATIC_SLICE is safe: the caller's memory
-// outlives the call, which returns after Finish. The bytes are exactly those
+// again into gRPC's slices). STATIC_SLICE (no reference count) relies on
+// the caller's memory outliving what gRPC does with it: after a successful
+// call every byte has reached the shard; after a failed one the transport
+// may still hold unsent bytes of a stalled connection, which is why
+// PsClient::Push asks callers to leave the gradient alone after a failure
+// (a later fix: counted slices, and a reset of that connection before a
+// failed push returns). The bytes are exactly those
 // the generated PushRequest would write; ps_cluster_test checks the server
 // reads them.
 class PushEncoder {

@@ -45,7 +45,12 @@ class PsClient {
   virtual absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) = 0;
   // Sends one gradient of every variable (`grads[i]` for variable i); each
   // shard applies its optimizer. A retry after a transient failure reuses
-  // the request id, so the update is applied exactly once.
+  // the request id, so the update is applied exactly once. The gRPC client
+  // sends `grads` where they lie, without a copy: after a successful call
+  // they are free, but after a failed one a stalled connection may still
+  // hold part of them to write later (to a call the shard will see
+  // cancelled), so a caller must not change them while the client lives.
+  // The worker stops at the first failed push and exits.
   virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
   // Push followed by a pull in one call per shard: sends `grads` as Push
   // does and fills `values[i]` with every variable's values right after
