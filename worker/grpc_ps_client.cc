@@ -38,9 +38,13 @@ void AppendVarint(std::string* out, uint64_t v) {
 // the caller's memory outliving what gRPC does with it: after a successful
 // call every byte has reached the shard; after a failed one the transport
 // may still hold unsent bytes of a stalled connection, which is why
-// PsClient::Push asks callers to leave the gradient alone after a failure
-// (a later fix: counted slices, and a reset of that connection before a
-// failed push returns). The bytes are exactly those
+// PsClient::Push asks callers to leave the gradient alone after a failure.
+// After a timeout the shard drops them anyway: the call's deadline travels
+// with it and ends the shard's side too (tried 2026-12-05: a shard stopped
+// with SIGSTOP during 64 MB pushes, the gradient overwritten after the
+// DEADLINE_EXCEEDED, the shard resumed: only values sent before the stop
+// were applied). A complete fix would count the slices and reset the
+// connection before a failed push returns. The bytes are exactly those
 // the generated PushRequest would write; ps_cluster_test checks the server
 // reads them.
 class PushEncoder {
