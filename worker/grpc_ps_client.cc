@@ -692,14 +692,14 @@ class GrpcPsClient final : public PsClient {
 int AutoStreamsPerShard(int cores) { return cores >= 8 ? 4 : 1; }
 
 absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses) {
-  absl::Status first;
+  absl::Status combined;
   for (const absl::Status& s : statuses) {
     if (!s.ok() && !IsRetryable(s)) return s;
-    if (first.ok() || (absl::IsDeadlineExceeded(s) && !absl::IsDeadlineExceeded(first))) {
-      first = s;
+    if (combined.ok() || (absl::IsDeadlineExceeded(s) && !absl::IsDeadlineExceeded(combined))) {
+      combined = s;
     }
   }
-  return first;
+  return combined;
 }
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,

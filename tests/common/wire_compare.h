@@ -37,7 +37,8 @@ inline bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::str
       const absl::string_view run = m.data_runs[r];
       bool inside = false;
       for (absl::string_view p : pieces) {
-        inside = inside || (run.data() >= p.data() && run.data() + run.size() <= p.data() + p.size());
+        inside =
+            inside || (run.data() >= p.data() && run.data() + run.size() <= p.data() + p.size());
       }
       if (!inside) return false;
       total += static_cast<int64_t>(run.size());
@@ -50,20 +51,20 @@ inline bool RunsInsidePieces(const DecodedMessage& m, absl::Span<const absl::str
 // protobuf's own parser, with Segment.variable read as bytes (see
 // tests/common/proto_bytes_variant.h).
 inline std::unique_ptr<google::protobuf::Message> NewBytesVariant(MessageKind kind) {
-  return psflow::test_support::NewBytesVariant(kind == MessageKind::kPushRequest ? "psflow.PushRequest"
-                                                                          : "psflow.PullResponse");
+  return psflow::test_support::NewBytesVariant(
+      kind == MessageKind::kPushRequest ? "psflow.PushRequest" : "psflow.PullResponse");
 }
 
 // Field `name` of `m`, read through reflection.
 inline const google::protobuf::FieldDescriptor* Field(const google::protobuf::Message& m,
-                                               const char* name) {
+                                                      const char* name) {
   return m.GetDescriptor()->FindFieldByName(name);
 }
 
 // Compares what this decoder made of `bytes` with what protobuf's parser
 // makes of them; empty when they agree, else what differs.
 inline std::string CompareWithProtobuf(MessageKind kind, const std::string& bytes,
-                    absl::Span<const absl::string_view> pieces) {
+                                       absl::Span<const absl::string_view> pieces) {
   DecodedMessage ours;
   const absl::Status status = Decode(kind, pieces, &ours);
   std::unique_ptr<google::protobuf::Message> theirs = NewBytesVariant(kind);
@@ -84,8 +85,7 @@ inline std::string CompareWithProtobuf(MessageKind kind, const std::string& byte
   const google::protobuf::Reflection& r = *theirs->GetReflection();
   const google::protobuf::FieldDescriptor* segments = Field(*theirs, "segments");
   if (static_cast<int>(ours.num_segments) != r.FieldSize(*theirs, segments)) {
-    return absl::StrCat(ours.num_segments, " segments, protobuf ",
-                        r.FieldSize(*theirs, segments));
+    return absl::StrCat(ours.num_segments, " segments, protobuf ", r.FieldSize(*theirs, segments));
   }
   for (size_t i = 0; i < ours.num_segments; ++i) {
     const DecodedSegment& s = ours.segments[i];

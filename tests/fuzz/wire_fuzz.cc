@@ -2,20 +2,20 @@
 // push requests and pull responses: every input, cut into the pieces that
 // gRPC's slices would give, must decode as protobuf's own parser reads it,
 // or be refused with INVALID_ARGUMENT, and (under ASan and UBSan) touch no
-// byte outside the pieces. Built with -DPSFLOW_FUZZ=ON and clang; see
+// byte outside the pieces. Built and run by tests/fuzz/run.sh (clang); see
 // docs/ARCHITECTURE.md, "Testing".
 //
 // Input layout (FuzzedDataProvider takes integers from the end): the last
 // byte picks the message kind, the one before it the number of cuts (0-6),
 // then 2 bytes per cut position; the rest, from the start, is the message.
+#include <fuzzer/FuzzedDataProvider.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
-
-#include <fuzzer/FuzzedDataProvider.h>
 
 #include "absl/strings/string_view.h"
 #include "tests/common/wire_compare.h"
