@@ -1,5 +1,7 @@
 #include "common/grpc_args.h"
 
+#include <algorithm>
+
 #include "absl/strings/numbers.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -18,6 +20,19 @@ class ArgsOption : public grpc::ServerBuilderOption {
 };
 
 }  // namespace
+
+GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides) {
+  for (const auto& [name, value] : overrides) {
+    auto same = std::find_if(defaults.begin(), defaults.end(),
+                             [&](const auto& arg) { return arg.first == name; });
+    if (same != defaults.end()) {
+      same->second = value;
+    } else {
+      defaults.emplace_back(name, value);
+    }
+  }
+  return defaults;
+}
 
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out) {
   for (const auto& [name, value] : args) {

@@ -18,6 +18,11 @@ namespace psflow {
 
 using GrpcArgs = std::vector<std::pair<std::string, std::string>>;
 
+// `defaults`, each replaced by the argument of `overrides` with its name,
+// followed by the other `overrides`: psflow's own settings that --grpc_arg
+// may change.
+GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides);
+
 // Adds `args` to a client channel's arguments.
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out);
 
