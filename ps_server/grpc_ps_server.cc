@@ -821,21 +821,16 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   builder.SetMaxReceiveMessageSize(
       static_cast<int>(std::min<int64_t>(options.store.max_chunk_bytes + (1 << 20), INT32_MAX)));
   builder.SetMaxSendMessageSize(-1);
-  // Keepalive (see PsServerOptions), also while a call sends no data;
-  // --grpc_arg overrides each.
-  GrpcArgs args = {
-      {GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time))},
-      {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-       absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
-      {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"}};
-  for (const auto& [name, value] : options.grpc_args) {
-    auto same = std::find_if(args.begin(), args.end(), [&](const auto& a) { return a.first == name; });
-    if (same != args.end()) {
-      same->second = value;
-    } else {
-      args.emplace_back(name, value);
-    }
-  }
+  // Keepalive (see PsServerOptions), also while a call sends no data, and
+  // the clients' keepalive pings allowed; --grpc_arg overrides each.
+  const GrpcArgs args = OverrideGrpcArgs(
+      {{GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time))},
+       {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+        absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
+       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"},
+       {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+        absl::StrCat(absl::ToInt64Milliseconds(options.min_client_ping_interval))}},
+      options.grpc_args);
   builder.SetOption(GrpcArgsOption(args));
   if (options.threads > 0) {
     grpc::ResourceQuota quota("psflow_ps");

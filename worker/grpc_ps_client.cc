@@ -1,6 +1,7 @@
 #include "worker/grpc_ps_client.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -31,24 +32,73 @@ void AppendVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
+// Slices of callers' gradients that gRPC references now, in every client of
+// the process (PushSlicesInFlight).
+std::atomic<int64_t> g_push_slices{0};
+
+// Counts the references gRPC holds to the gradient slices of one push
+// stream, so that the push returns only once gRPC is done with the
+// caller's memory. Created with one reference, its owner's; each slice adds
+// one, dropped when gRPC lets go of the slice. `alive_` keeps the object
+// until both the owner and every slice are done with it, so that an owner
+// that gave up waiting leaves nothing dangling.
+class GradientRefs {
+ public:
+  static GradientRefs* Create() { return new GradientRefs; }
+  // A counted slice over `bytes` of the caller's memory at `data`.
+  grpc::Slice Wrap(const float* data, size_t bytes) {
+    {
+      absl::MutexLock lock(&mu_);
+      ++held_;
+    }
+    alive_.fetch_add(1, std::memory_order_relaxed);
+    g_push_slices.fetch_add(1, std::memory_order_relaxed);
+    return grpc::Slice(const_cast<float*>(data), bytes, &GradientRefs::SliceDone, this);
+  }
+  // True once gRPC holds no slice, waiting up to `timeout` for it.
+  bool AwaitNoSlices(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(&GradientRefs::NoneHeld, &held_), timeout);
+  }
+  // Drops the owner's reference; the object must not be used after.
+  void Release() { Unref(); }
+
+ private:
+  GradientRefs() = default;
+  static bool NoneHeld(int* held) { return *held == 0; }
+  static void SliceDone(void* self) {
+    auto* refs = static_cast<GradientRefs*>(self);
+    {
+      absl::MutexLock lock(&refs->mu_);
+      --refs->held_;
+    }
+    g_push_slices.fetch_sub(1, std::memory_order_relaxed);
+    refs->Unref();  // after the last use of mu_
+  }
+  void Unref() {
+    if (alive_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  absl::Mutex mu_;
+  int held_ ABSL_GUARDED_BY(mu_) = 0;  // slices gRPC still references
+  std::atomic<int> alive_{1};          // held_ + the owner's reference
+};
+
 // Builds PushRequest messages in protobuf's wire format as grpc::ByteBuffers
 // whose data slices point at the caller's floats, so the gradient is not
 // copied on the client (the generated code copies it into a string, then
-// again into gRPC's slices). STATIC_SLICE (no reference count) relies on
-// the caller's memory outliving what gRPC does with it: after a successful
-// call every byte has reached the shard; after a failed one the transport
-// may still hold unsent bytes of a stalled connection, which is why
-// PsClient::Push asks callers to leave the gradient alone after a failure.
-// After a timeout the shard drops them anyway: the call's deadline travels
-// with it and ends the shard's side too (tried 2026-12-05: a shard stopped
-// with SIGSTOP during 64 MB pushes, the gradient overwritten after the
-// DEADLINE_EXCEEDED, the shard resumed: only values sent before the stop
-// were applied). A complete fix would count the slices and reset the
-// connection before a failed push returns. The bytes are exactly those
-// the generated PushRequest would write; ps_cluster_test checks the server
-// reads them.
+// again into gRPC's slices). The slices are counted (GradientRefs) and a
+// push returns only once gRPC has let go of all of them (ReleaseGradient),
+// so the caller's gradient is free after the call whatever it returned.
+// gRPC lets go of them when their bytes are written or the connection
+// fails; a connection whose peer stopped reading fails by keepalive (see
+// GrpcPsClientOptions::keepalive_time), since the call's deadline alone
+// does not end a write the socket does not take. The bytes are exactly
+// those the generated PushRequest would write; ps_cluster_test checks the
+// server reads them.
 class PushEncoder {
  public:
+  explicit PushEncoder(GradientRefs* refs) : refs_(refs) {}
   void SetHeader(const PushHeader& header) {
     PushRequest only_header;
     *only_header.mutable_header() = header;
@@ -67,7 +117,7 @@ class PushEncoder {
     meta_ += inner;
     slices_.emplace_back(meta_);
     meta_.clear();
-    slices_.emplace_back(data, bytes, grpc::Slice::STATIC_SLICE);
+    slices_.push_back(refs_->Wrap(data, bytes));
   }
   bool empty() const { return slices_.empty() && meta_.empty(); }
   // Moves what was added into `out` and starts a new message.
@@ -80,9 +130,23 @@ class PushEncoder {
   }
 
  private:
+  GradientRefs* const refs_;         // counts the data slices
   std::string meta_;                 // encoded bytes not yet in a slice
   std::vector<grpc::Slice> slices_;  // the message so far
 };
+
+// Keepalive (see GrpcPsClientOptions), also while a push sends nothing,
+// then the caller's own arguments.
+GrpcArgs ChannelArgs(const GrpcPsClientOptions& options) {
+  const std::string keepalive_ms = absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time));
+  return OverrideGrpcArgs(
+      {{GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms},
+       {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+        absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
+       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"},
+       {GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS, keepalive_ms}},
+      options.grpc_args);
+}
 
 // Runs fn(i) for i in [0, n) in parallel (i = 0 on the calling thread) and
 // returns their statuses.
@@ -119,7 +183,7 @@ class GrpcPsClient final : public PsClient {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        AddGrpcArgs(options_.grpc_args, &args);
+        AddGrpcArgs(ChannelArgs(options_), &args);
         if (shard.conns.size() > 1) {
           // A subchannel pool of its own, so that each channel opens its own
           // connection instead of sharing one with the shard's other channels.
@@ -504,7 +568,7 @@ class GrpcPsClient final : public PsClient {
   // PushRequest messages (the header in the first) and half-closes the
   // stream. False when the stream broke.
   bool WritePush(int s, size_t begin, size_t end, absl::Span<const float* const> grads,
-                 const PushInfo& info, uint64_t request_id,
+                 const PushInfo& info, uint64_t request_id, GradientRefs* refs,
                  grpc::internal::WriterInterface<grpc::ByteBuffer>* writer,
                  const std::function<bool()>& writes_done) {
     Shard& shard = shards_[s];
@@ -513,7 +577,7 @@ class GrpcPsClient final : public PsClient {
     header.set_step(info.step);
     header.set_read_version(info.read_version);
     header.set_request_id(request_id);
-    PushEncoder encoder;
+    PushEncoder encoder(refs);
     encoder.SetHeader(header);
     grpc::ByteBuffer message;
     bool ok = true;
@@ -600,18 +664,40 @@ class GrpcPsClient final : public PsClient {
   absl::Status PushOnce(int s, int k, size_t begin, size_t end,
                         absl::Span<const float* const> grads, const PushInfo& info,
                         uint64_t request_id) {
-    Shard& shard = shards_[s];
-    Connection& conn = shard.conns[k];
-    grpc::ClientContext context;
-    SetDeadline(&context);
-    PushResponse response;
-    // What the generated stub does, with ByteBuffer messages (PushEncoder).
-    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-            conn.channel.get(), *conn.push_method, &context, &response));
-    WritePush(s, begin, end, grads, info, request_id, writer.get(),
-              [&] { return writer->WritesDone(); });
-    return FromGrpcStatus(writer->Finish(), shard.name);
+    Connection& conn = shards_[s].conns[k];
+    GradientRefs* refs = GradientRefs::Create();
+    absl::Status status;
+    {
+      grpc::ClientContext context;
+      SetDeadline(&context);
+      PushResponse response;
+      // What the generated stub does, with ByteBuffer messages (PushEncoder).
+      std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+          grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+              conn.channel.get(), *conn.push_method, &context, &response));
+      WritePush(s, begin, end, grads, info, request_id, refs, writer.get(),
+                [&] { return writer->WritesDone(); });
+      status = FromGrpcStatus(writer->Finish(), shards_[s].name);
+    }  // the call ends here
+    return ReleaseGradient(s, refs, std::move(status));
+  }
+
+  // Returns `status` once gRPC holds none of the gradient slices counted by
+  // `refs`, and drops the owner's reference. When a call has returned,
+  // gRPC has written its bytes or failed the connection that held them,
+  // and lets go of them at once; if it still held them after a whole
+  // deadline, the caller must not free the gradient, and hears so
+  // (INTERNAL, which the retry loop and the worker do not retry).
+  absl::Status ReleaseGradient(int s, GradientRefs* refs, absl::Status status) {
+    const bool released = refs->AwaitNoSlices(options_.rpc_timeout);
+    refs->Release();
+    if (released) return status;
+    return absl::InternalError(absl::StrCat(
+        "gRPC still holds part of the gradient pushed to ", shards_[s].name, " ",
+        absl::FormatDuration(options_.rpc_timeout),
+        " after the call ended; the gradient must not be freed or changed while this process "
+        "runs (the push: ",
+        status.ok() ? "succeeded" : status.ToString(), ")"));
   }
 
   // Connection k's pull of shard s (see BuildPullRequest).
@@ -645,24 +731,27 @@ class GrpcPsClient final : public PsClient {
                             absl::Span<const float* const> grads, const PushInfo& info,
                             uint64_t request_id, absl::Span<float* const> values,
                             PullResult* result, int64_t* received) {
-    Shard& shard = shards_[s];
-    Connection& conn = shard.conns[k];
-    grpc::ClientContext context;
-    SetDeadline(&context);
-    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
-        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-            conn.channel.get(), *conn.push_pull_method, &context));
-    std::thread writer([&] {
-      WritePush(s, begin, end, grads, info, request_id, stream.get(),
-                [&] { return stream->WritesDone(); });
-    });
-    *received = 0;
-    absl::Status bad = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
-    if (!bad.ok()) context.TryCancel();  // also ends a Write the server no longer reads
-    writer.join();
-    const grpc::Status status = stream->Finish();
-    PSFLOW_RETURN_IF_ERROR(bad);
-    return FromGrpcStatus(status, shard.name);
+    Connection& conn = shards_[s].conns[k];
+    GradientRefs* refs = GradientRefs::Create();
+    absl::Status status;
+    {
+      grpc::ClientContext context;
+      SetDeadline(&context);
+      std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+          grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+              conn.channel.get(), *conn.push_pull_method, &context));
+      std::thread writer([&] {
+        WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
+                  [&] { return stream->WritesDone(); });
+      });
+      *received = 0;
+      status = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
+      if (!status.ok()) context.TryCancel();  // also ends a Write the server no longer reads
+      writer.join();
+      const grpc::Status finished = stream->Finish();
+      if (status.ok()) status = FromGrpcStatus(finished, shards_[s].name);
+    }  // the call ends here
+    return ReleaseGradient(s, refs, std::move(status));
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {
@@ -688,6 +777,8 @@ class GrpcPsClient final : public PsClient {
 };
 
 }  // namespace
+
+int64_t PushSlicesInFlight() { return g_push_slices.load(std::memory_order_relaxed); }
 
 int AutoStreamsPerShard(int cores) { return cores >= 8 ? 4 : 1; }
 
@@ -717,6 +808,14 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
     return absl::InvalidArgumentError(
         absl::StrCat("rpc_timeout is ", absl::FormatDuration(options.rpc_timeout),
                      "; expected a positive, finite deadline for each call (--rpc_timeout_s)"));
+  }
+  for (const auto& [name, value] :
+       {std::pair{"keepalive_time", options.keepalive_time},
+        std::pair{"keepalive_timeout", options.keepalive_timeout}}) {
+    if (value < absl::Milliseconds(1) || value > absl::Hours(24)) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " is ", absl::FormatDuration(value),
+                                                     "; expected 1 ms to 24 h"));
+    }
   }
   if (options.max_chunk_bytes < 4) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes (--max_chunk_bytes) is ",

@@ -35,9 +35,19 @@ struct GrpcPsClientOptions {
   // the same request id. 1 sends each push as one stream; see
   // AutoStreamsPerShard for what the worker picks by default.
   int streams_per_shard = 1;
+  // Each connection is pinged every keepalive_time while it has calls, and
+  // closed when a ping goes keepalive_timeout unanswered or sent bytes stay
+  // unacknowledged that long (gRPC then sets TCP_USER_TIMEOUT); its calls
+  // end UNAVAILABLE. A call's deadline does not end a write the socket does
+  // not take: without keepalive a push to a shard that stopped reading (a
+  // frozen process or machine, whose kernel still answers) hung as long as
+  // the shard did. Shards accept a ping every 10 s at most
+  // (PsServerOptions::min_client_ping_interval).
+  absl::Duration keepalive_time = absl::Seconds(30);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
   // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
-  // like), for tuning experiments; a value that parses as an integer is
-  // passed as one, else as a string.
+  // like; they override the settings above), for tuning experiments; a
+  // value that parses as an integer is passed as one, else as a string.
   GrpcArgs grpc_args;
 };
 
@@ -55,6 +65,11 @@ int AutoStreamsPerShard(int cores);
 // connection, whatever the others got quickly), else the first error, else
 // OK.
 absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses);
+
+// Slices of callers' gradients that gRPC references right now, over every
+// gRPC PsClient of this process: 0 whenever no Push or PushPull is running,
+// whatever the pushes before ended with. For tests and diagnostics.
+int64_t PushSlicesInFlight();
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options);

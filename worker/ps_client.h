@@ -45,12 +45,10 @@ class PsClient {
   virtual absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) = 0;
   // Sends one gradient of every variable (`grads[i]` for variable i); each
   // shard applies its optimizer. A retry after a transient failure reuses
-  // the request id, so the update is applied exactly once. The gRPC client
-  // sends `grads` where they lie, without a copy: after a successful call
-  // they are free, but after a failed one a stalled connection may still
-  // hold part of them to write later (to a call the shard will see
-  // cancelled), so a caller must not change them while the client lives.
-  // The worker stops at the first failed push and exits.
+  // the request id, so the update is applied exactly once. `grads` are
+  // read until the call returns and are free after it, whatever it
+  // returned (the gRPC client sends them where they lie, without a copy,
+  // and makes sure gRPC holds none of them before it returns).
   virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
   // Push followed by a pull in one call per shard: sends `grads` as Push
   // does and fills `values[i]` with every variable's values right after

@@ -21,6 +21,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "common/retry.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
 #include "worker/grpc_ps_client.h"
@@ -1040,6 +1041,13 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
     EXPECT_THAT(client.status().message(), HasSubstr("rpc_timeout"));
   }
   options.rpc_timeout = absl::Seconds(1);
+  for (absl::Duration bad : {absl::ZeroDuration(), absl::InfiniteDuration()}) {
+    GrpcPsClientOptions keepalive = options;
+    keepalive.keepalive_timeout = bad;
+    const absl::Status refused = CreateGrpcPsClient(vars, keepalive).status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << absl::FormatDuration(bad);
+    EXPECT_THAT(refused.message(), HasSubstr("keepalive_timeout is "));
+  }
   auto client = CreateGrpcPsClient(vars, options);
   ASSERT_TRUE(client.ok()) << client.status();
   Tensors t = Make(vars, 0.0f);
@@ -1247,6 +1255,7 @@ class FreezableProxy {
   }
   int port() const { return port_; }
   void Freeze() { frozen_ = true; }
+  void Thaw() { frozen_ = false; }
 
  private:
   void Run() {
@@ -1275,7 +1284,7 @@ class FreezableProxy {
         if (n <= 0) return;
         const int to = i == 0 ? server_ : client_;
         for (ssize_t off = 0; off < n;) {
-          const ssize_t w = write(to, buf.data() + off, n - off);
+          const ssize_t w = send(to, buf.data() + off, n - off, MSG_NOSIGNAL);
           if (w <= 0) return;
           off += w;
         }
@@ -1337,6 +1346,56 @@ TEST_F(PsClusterTest, ShardDropsAPeerThatWentSilent) {
   EXPECT_TRUE(dropped) << "the shard still waits on a peer that went silent";
   context.TryCancel();
   writer->Finish();
+}
+
+// A push whose peer stops reading (a frozen process or machine: its kernel
+// goes on acknowledging with a zero window, so TCP alone never fails) after
+// the flow-control window has grown past what the sockets buffer. The
+// call's deadline does not end a write that the socket does not take
+// (grpc/grpc#28434): without the client's keepalive this push hung for as
+// long as the peer did. With it gRPC fails the connection; the push ends
+// retryable, and gRPC holds none of the gradient when Push returns, so the
+// caller may free it at once (ASan, in CI's second pass, would see a later
+// write from the freed memory).
+TEST_F(PsClusterTest, PushToAPeerThatStoppedReadingEndsAndLetsGoOfTheGradient) {
+  StartCluster(1, SgdLr1());
+  const int64_t n = 16 << 20;  // 64 MB
+  const std::vector<VariableSpec> vars = {{"w", {n}}};
+  for (const bool push_pull : {false, true}) {
+    SCOPED_TRACE(push_pull ? "PushPull" : "Push");
+    FreezableProxy proxy(servers_[0]->port());  // one connection: one client
+    GrpcPsClientOptions options;
+    options.ps_addresses = {absl::StrCat("127.0.0.1:", proxy.port())};
+    options.max_chunk_bytes = 4 << 20;
+    options.rpc_timeout = absl::Seconds(2);
+    options.keepalive_time = absl::Milliseconds(500);
+    options.keepalive_timeout = absl::Milliseconds(500);
+    options.retry.max_attempts = 1;
+    auto client = CreateGrpcPsClient(vars, options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    // 64 MB through the proxy: the window grows to tens of MB.
+    ASSERT_TRUE((*client)->Register(Make(vars, 0.0f).cptrs()).ok());
+
+    proxy.Freeze();
+    auto grads = std::make_unique<std::vector<float>>(n, 1.0f);
+    std::vector<float> values(n);
+    absl::Status pushed;
+    absl::Notification returned;
+    std::thread pusher([&] {
+      pushed = push_pull ? (*client)->PushPull({grads->data()}, {1, 0}, {values.data()}).status()
+                         : (*client)->Push({grads->data()}, {1, 0});
+      returned.Notify();
+    });
+    const bool in_time = returned.WaitForNotificationWithTimeout(absl::Seconds(30));
+    if (!in_time) proxy.Thaw();  // lets the stuck write go, so that the test ends
+    pusher.join();
+    EXPECT_TRUE(in_time) << "the push outlived its 2 s deadline by 28 s";
+    EXPECT_TRUE(IsRetryable(pushed)) << pushed;
+    EXPECT_EQ(worker::PushSlicesInFlight(), 0) << "gRPC still references the gradient";
+    grads.reset();
+    proxy.Thaw();
+    absl::SleepFor(absl::Milliseconds(300));  // the proxy forwards what it still had
+  }
 }
 
 // Kubernetes probes use gRPC's standard health service.
