@@ -42,9 +42,11 @@ struct PsServerOptions {
   absl::Duration keepalive_time = absl::Seconds(30);
   absl::Duration keepalive_timeout = absl::Seconds(10);
   // The clients ping too (GrpcPsClientOptions::keepalive_time, 30 s by
-  // default), also during a push that sends nothing for a while. gRPC's
-  // default answers pings more often than every 5 minutes with GOAWAY
-  // ("too_many_pings"); a shard accepts them this often.
+  // default), also during a push that the shard does not answer for a
+  // while. A shard accepts a ping this long after the previous one; with
+  // gRPC's default (5 minutes) the third ping closer than that, with
+  // nothing sent by the shard in between, would get GOAWAY
+  // "too_many_pings".
   absl::Duration min_client_ping_interval = absl::Seconds(10);
   // Extra gRPC channel arguments of the server ("grpc.http2.lookahead_bytes"
   // and the like), for tuning experiments; a value that parses as an

@@ -36,9 +36,9 @@ void AppendVarint(std::string* out, uint64_t v) {
 // the process (PushSlicesInFlight).
 std::atomic<int64_t> g_push_slices{0};
 
-// Counts the references gRPC holds to the gradient slices of one push
-// stream, so that the push returns only once gRPC is done with the
-// caller's memory. Created with one reference, its owner's; each slice adds
+// Counts the references gRPC holds to the gradient slices of one Push or
+// PushPull (every shard, stream and attempt), so that it returns only once
+// gRPC is done with the caller's memory. Created with one reference, its owner's; each slice adds
 // one, dropped when gRPC lets go of the slice. `alive_` keeps the object
 // until both the owner and every slice are done with it, so that an owner
 // that gave up waiting leaves nothing dangling.
@@ -49,10 +49,10 @@ class GradientRefs {
   grpc::Slice Wrap(const float* data, size_t bytes) {
     {
       absl::MutexLock lock(&mu_);
+      g_push_slices.fetch_add(1, std::memory_order_relaxed);
       ++held_;
     }
     alive_.fetch_add(1, std::memory_order_relaxed);
-    g_push_slices.fetch_add(1, std::memory_order_relaxed);
     return grpc::Slice(const_cast<float*>(data), bytes, &GradientRefs::SliceDone, this);
   }
   // True once gRPC holds no slice, waiting up to `timeout` for it.
@@ -70,9 +70,11 @@ class GradientRefs {
     auto* refs = static_cast<GradientRefs*>(self);
     {
       absl::MutexLock lock(&refs->mu_);
+      // Before the owner can see held_ at 0: PushSlicesInFlight() is 0 as
+      // soon as the last push has returned.
+      g_push_slices.fetch_sub(1, std::memory_order_relaxed);
       --refs->held_;
     }
-    g_push_slices.fetch_sub(1, std::memory_order_relaxed);
     refs->Unref();  // after the last use of mu_
   }
   void Unref() {
@@ -138,13 +140,11 @@ class PushEncoder {
 // Keepalive (see GrpcPsClientOptions), also while a push sends nothing,
 // then the caller's own arguments.
 GrpcArgs ChannelArgs(const GrpcPsClientOptions& options) {
-  const std::string keepalive_ms = absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time));
   return OverrideGrpcArgs(
-      {{GRPC_ARG_KEEPALIVE_TIME_MS, keepalive_ms},
+      {{GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time))},
        {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
         absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
-       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"},
-       {GRPC_ARG_HTTP2_MIN_SENT_PING_INTERVAL_WITHOUT_DATA_MS, keepalive_ms}},
+       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"}},
       options.grpc_args);
 }
 
@@ -342,16 +342,18 @@ class GrpcPsClient final : public PsClient {
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "Push", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
-    return ForEachShard(plan_.num_shards(), [&](int s) {
+    GradientRefs* refs = GradientRefs::Create();
+    const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
       return RetryCall(options_.retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushOnce(s, k, begin, end, grads, info, request_id);
+          return PushOnce(s, k, begin, end, grads, info, request_id, refs);
         });
       });
     });
+    return ReleaseGradient(refs, status);
   }
 
   absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads, const PushInfo& info,
@@ -360,7 +362,8 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
     std::vector<PullResult> results(plan_.num_shards());
-    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+    GradientRefs* refs = GradientRefs::Create();
+    const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
       return RetryCall(options_.retry, [&] {
@@ -368,8 +371,8 @@ class GrpcPsClient final : public PsClient {
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
         PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushPullOnce(s, k, begin, end, grads, info, request_id, values, &parts[k],
-                              &received[k]);
+          return PushPullOnce(s, k, begin, end, grads, info, request_id, refs, values,
+                              &parts[k], &received[k]);
         }));
         int64_t total = 0;
         for (int k = 0; k < streams; ++k) total += received[k];
@@ -377,7 +380,8 @@ class GrpcPsClient final : public PsClient {
         results[s] = CombineStreams(parts);
         return absl::OkStatus();
       });
-    }));
+    });
+    PSFLOW_RETURN_IF_ERROR(ReleaseGradient(refs, status));
     return Combine(results);
   }
 
@@ -660,43 +664,39 @@ class GrpcPsClient final : public PsClient {
                                             expected, " elements this worker expects"));
   }
 
-  // One stream of a push to shard s: messages [begin, end) on connection k.
+  // One stream of a push to shard s: messages [begin, end) on connection k,
+  // its gradient slices counted by `refs`.
   absl::Status PushOnce(int s, int k, size_t begin, size_t end,
                         absl::Span<const float* const> grads, const PushInfo& info,
-                        uint64_t request_id) {
-    Connection& conn = shards_[s].conns[k];
-    GradientRefs* refs = GradientRefs::Create();
-    absl::Status status;
-    {
-      grpc::ClientContext context;
-      SetDeadline(&context);
-      PushResponse response;
-      // What the generated stub does, with ByteBuffer messages (PushEncoder).
-      std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
-          grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
-              conn.channel.get(), *conn.push_method, &context, &response));
-      WritePush(s, begin, end, grads, info, request_id, refs, writer.get(),
-                [&] { return writer->WritesDone(); });
-      status = FromGrpcStatus(writer->Finish(), shards_[s].name);
-    }  // the call ends here
-    return ReleaseGradient(s, refs, std::move(status));
+                        uint64_t request_id, GradientRefs* refs) {
+    Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    PushResponse response;
+    // What the generated stub does, with ByteBuffer messages (PushEncoder).
+    std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
+        grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
+            conn.channel.get(), *conn.push_method, &context, &response));
+    WritePush(s, begin, end, grads, info, request_id, refs, writer.get(),
+              [&] { return writer->WritesDone(); });
+    return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
   // Returns `status` once gRPC holds none of the gradient slices counted by
-  // `refs`, and drops the owner's reference. When a call has returned,
-  // gRPC has written its bytes or failed the connection that held them,
-  // and lets go of them at once; if it still held them after a whole
-  // deadline, the caller must not free the gradient, and hears so
-  // (INTERNAL, which the retry loop and the worker do not retry).
-  absl::Status ReleaseGradient(int s, GradientRefs* refs, absl::Status status) {
+  // `refs`, and drops the owner's reference. When its calls have ended,
+  // gRPC has written their bytes or failed the connection that held them,
+  // and lets go of them at once. If it still held them after a whole
+  // deadline, the caller must not free the gradient and hears so: INTERNAL,
+  // which replaces whatever the calls returned and is not retried.
+  absl::Status ReleaseGradient(GradientRefs* refs, absl::Status status) {
     const bool released = refs->AwaitNoSlices(options_.rpc_timeout);
     refs->Release();
     if (released) return status;
     return absl::InternalError(absl::StrCat(
-        "gRPC still holds part of the gradient pushed to ", shards_[s].name, " ",
-        absl::FormatDuration(options_.rpc_timeout),
-        " after the call ended; the gradient must not be freed or changed while this process "
-        "runs (the push: ",
+        "gRPC still holds part of the pushed gradient ", absl::FormatDuration(options_.rpc_timeout),
+        " after the calls ended; it must not be freed or changed while this process runs (the "
+        "push: ",
         status.ok() ? "succeeded" : status.ToString(), ")"));
   }
 
@@ -729,29 +729,27 @@ class GrpcPsClient final : public PsClient {
   // added to `*received`.
   absl::Status PushPullOnce(int s, int k, size_t begin, size_t end,
                             absl::Span<const float* const> grads, const PushInfo& info,
-                            uint64_t request_id, absl::Span<float* const> values,
-                            PullResult* result, int64_t* received) {
-    Connection& conn = shards_[s].conns[k];
-    GradientRefs* refs = GradientRefs::Create();
-    absl::Status status;
-    {
-      grpc::ClientContext context;
-      SetDeadline(&context);
-      std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
-          grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
-              conn.channel.get(), *conn.push_pull_method, &context));
-      std::thread writer([&] {
-        WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
-                  [&] { return stream->WritesDone(); });
-      });
-      *received = 0;
-      status = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
-      if (!status.ok()) context.TryCancel();  // also ends a Write the server no longer reads
-      writer.join();
-      const grpc::Status finished = stream->Finish();
-      if (status.ok()) status = FromGrpcStatus(finished, shards_[s].name);
-    }  // the call ends here
-    return ReleaseGradient(s, refs, std::move(status));
+                            uint64_t request_id, GradientRefs* refs,
+                            absl::Span<float* const> values, PullResult* result,
+                            int64_t* received) {
+    Shard& shard = shards_[s];
+    Connection& conn = shard.conns[k];
+    grpc::ClientContext context;
+    SetDeadline(&context);
+    std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+        grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+            conn.channel.get(), *conn.push_pull_method, &context));
+    std::thread writer([&] {
+      WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
+                [&] { return stream->WritesDone(); });
+    });
+    *received = 0;
+    absl::Status bad = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
+    if (!bad.ok()) context.TryCancel();  // also ends a Write the server no longer reads
+    writer.join();
+    const grpc::Status status = stream->Finish();
+    PSFLOW_RETURN_IF_ERROR(bad);
+    return FromGrpcStatus(status, shard.name);
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {

@@ -35,13 +35,14 @@ struct GrpcPsClientOptions {
   // the same request id. 1 sends each push as one stream; see
   // AutoStreamsPerShard for what the worker picks by default.
   int streams_per_shard = 1;
-  // Each connection is pinged every keepalive_time while it has calls, and
-  // closed when a ping goes keepalive_timeout unanswered or sent bytes stay
-  // unacknowledged that long (gRPC then sets TCP_USER_TIMEOUT); its calls
-  // end UNAVAILABLE. A call's deadline does not end a write the socket does
-  // not take: without keepalive a push to a shard that stopped reading (a
-  // frozen process or machine, whose kernel still answers) hung as long as
-  // the shard did. Shards accept a ping every 10 s at most
+  // Each connection is pinged every keepalive_time while it has calls and
+  // closed when a ping goes keepalive_timeout unanswered; gRPC also sets the
+  // socket's TCP_USER_TIMEOUT to keepalive_timeout, so the kernel closes it
+  // when its writes make no progress that long (zero window included). Its
+  // calls end UNAVAILABLE. A call's deadline does not end a write the
+  // socket does not take: without keepalive a push to a shard that stopped
+  // reading (a frozen process or machine, whose kernel still acknowledges)
+  // hung as long as the shard did. Shards accept a ping every 10 s
   // (PsServerOptions::min_client_ping_interval).
   absl::Duration keepalive_time = absl::Seconds(30);
   absl::Duration keepalive_timeout = absl::Seconds(20);
@@ -67,8 +68,9 @@ int AutoStreamsPerShard(int cores);
 absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses);
 
 // Slices of callers' gradients that gRPC references right now, over every
-// gRPC PsClient of this process: 0 whenever no Push or PushPull is running,
-// whatever the pushes before ended with. For tests and diagnostics.
+// gRPC PsClient of this process: 0 once every Push and PushPull has
+// returned, whatever they returned, but for one that returned INTERNAL
+// saying gRPC still holds its gradient. For tests and diagnostics.
 int64_t PushSlicesInFlight();
 
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,

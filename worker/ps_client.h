@@ -47,8 +47,9 @@ class PsClient {
   // shard applies its optimizer. A retry after a transient failure reuses
   // the request id, so the update is applied exactly once. `grads` are
   // read until the call returns and are free after it, whatever it
-  // returned (the gRPC client sends them where they lie, without a copy,
-  // and makes sure gRPC holds none of them before it returns).
+  // returned, but for an INTERNAL error saying they are still in use (the
+  // gRPC client sends them where they lie, without a copy, and waits until
+  // gRPC holds none of them before it returns).
   virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
   // Push followed by a pull in one call per shard: sends `grads` as Push
   // does and fills `values[i]` with every variable's values right after

@@ -1234,8 +1234,14 @@ TEST_F(PsClusterTest, PullOfManyLargeRangesIsStreamedWithoutPlanningAhead) {
 // network vanished does (no FIN, no RST).
 class FreezableProxy {
  public:
-  explicit FreezableProxy(int target_port) : target_port_(target_port) {
+  // `receive_buffer` > 0 caps the kernel's buffer for the client's bytes
+  // (set before listen(): accepted sockets inherit it), so that a frozen
+  // proxy soon stops the client's socket writes.
+  explicit FreezableProxy(int target_port, int receive_buffer = 0) : target_port_(target_port) {
     listener_ = socket(AF_INET, SOCK_STREAM, 0);
+    if (receive_buffer > 0) {
+      setsockopt(listener_, SOL_SOCKET, SO_RCVBUF, &receive_buffer, sizeof receive_buffer);
+    }
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -1349,31 +1355,34 @@ TEST_F(PsClusterTest, ShardDropsAPeerThatWentSilent) {
 }
 
 // A push whose peer stops reading (a frozen process or machine: its kernel
-// goes on acknowledging with a zero window, so TCP alone never fails) after
-// the flow-control window has grown past what the sockets buffer. The
-// call's deadline does not end a write that the socket does not take
-// (grpc/grpc#28434): without the client's keepalive this push hung for as
-// long as the peer did. With it gRPC fails the connection; the push ends
-// retryable, and gRPC holds none of the gradient when Push returns, so the
-// caller may free it at once (ASan, in CI's second pass, would see a later
-// write from the freed memory).
+// goes on acknowledging, with a zero window) once the flow-control window
+// has grown past what the sockets buffer (here the proxy's is kept small).
+// gRPC's Write then waits for the socket, and the call's deadline does not
+// end it (grpc/grpc#28434): without the client's keepalive, this push hung
+// for as long as the peer was frozen, or, when flow control stopped it
+// first, ended only at its deadline. With it, the socket's TCP_USER_TIMEOUT
+// (or the unanswered ping) fails the connection in about the keepalive
+// timeout, long before the 30 s deadline: UNAVAILABLE, which is retried.
+// gRPC holds none of the gradient when the call returns, so the caller may
+// free it at once (ASan, in CI's second pass, would see a later write from
+// the freed memory).
 TEST_F(PsClusterTest, PushToAPeerThatStoppedReadingEndsAndLetsGoOfTheGradient) {
   StartCluster(1, SgdLr1());
   const int64_t n = 16 << 20;  // 64 MB
   const std::vector<VariableSpec> vars = {{"w", {n}}};
   for (const bool push_pull : {false, true}) {
     SCOPED_TRACE(push_pull ? "PushPull" : "Push");
-    FreezableProxy proxy(servers_[0]->port());  // one connection: one client
+    FreezableProxy proxy(servers_[0]->port(), 256 << 10);  // one connection: one client
     GrpcPsClientOptions options;
     options.ps_addresses = {absl::StrCat("127.0.0.1:", proxy.port())};
     options.max_chunk_bytes = 4 << 20;
-    options.rpc_timeout = absl::Seconds(2);
+    options.rpc_timeout = absl::Seconds(30);
     options.keepalive_time = absl::Milliseconds(500);
     options.keepalive_timeout = absl::Milliseconds(500);
     options.retry.max_attempts = 1;
     auto client = CreateGrpcPsClient(vars, options);
     ASSERT_TRUE(client.ok()) << client.status();
-    // 64 MB through the proxy: the window grows to tens of MB.
+    // 64 MB through the proxy: the window grows to several MB.
     ASSERT_TRUE((*client)->Register(Make(vars, 0.0f).cptrs()).ok());
 
     proxy.Freeze();
@@ -1381,16 +1390,18 @@ TEST_F(PsClusterTest, PushToAPeerThatStoppedReadingEndsAndLetsGoOfTheGradient) {
     std::vector<float> values(n);
     absl::Status pushed;
     absl::Notification returned;
+    const absl::Time start = absl::Now();
     std::thread pusher([&] {
       pushed = push_pull ? (*client)->PushPull({grads->data()}, {1, 0}, {values.data()}).status()
                          : (*client)->Push({grads->data()}, {1, 0});
       returned.Notify();
     });
-    const bool in_time = returned.WaitForNotificationWithTimeout(absl::Seconds(30));
+    const bool in_time = returned.WaitForNotificationWithTimeout(absl::Seconds(45));
     if (!in_time) proxy.Thaw();  // lets the stuck write go, so that the test ends
     pusher.join();
-    EXPECT_TRUE(in_time) << "the push outlived its 2 s deadline by 28 s";
-    EXPECT_TRUE(IsRetryable(pushed)) << pushed;
+    EXPECT_TRUE(in_time) << "the push outlived its 30 s deadline";
+    EXPECT_TRUE(absl::IsUnavailable(pushed)) << pushed;
+    EXPECT_LT(absl::Now() - start, absl::Seconds(15)) << "the keepalive timeout is 0.5 s";
     EXPECT_EQ(worker::PushSlicesInFlight(), 0) << "gRPC still references the gradient";
     grads.reset();
     proxy.Thaw();
