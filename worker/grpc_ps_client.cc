@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <system_error>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
@@ -149,15 +150,25 @@ GrpcArgs ChannelArgs(const GrpcPsClientOptions& options) {
 }
 
 // Runs fn(i) for i in [0, n) in parallel (i = 0 on the calling thread) and
-// returns their statuses.
+// returns their statuses. When a thread cannot be started (a pid or memory
+// limit), the i without one run on the calling thread too, one after
+// another: slower, with the same results, instead of std::thread's
+// exception ending the process.
 std::vector<absl::Status> RunInParallel(int n, const std::function<absl::Status(int)>& fn) {
   std::vector<absl::Status> results(n);
   std::vector<std::thread> threads;
   threads.reserve(n > 0 ? n - 1 : 0);
-  for (int i = 1; i < n; ++i) {
-    threads.emplace_back([&, i] { results[i] = fn(i); });
+  int started = 1;  // fn(1) to fn(started - 1) have threads
+  for (; started < n; ++started) {
+    try {
+      threads.emplace_back([&, i = started] { results[i] = fn(i); });
+    } catch (const std::system_error&) {
+      break;
+    }
   }
-  if (n > 0) results[0] = fn(0);
+  for (int i = 0; i < n; ++i) {
+    if (i == 0 || i >= started) results[i] = fn(i);
+  }
   for (auto& t : threads) t.join();
   return results;
 }
@@ -739,10 +750,19 @@ class GrpcPsClient final : public PsClient {
     std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
         grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_pull_method, &context));
-    std::thread writer([&] {
-      WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
-                [&] { return stream->WritesDone(); });
-    });
+    std::thread writer;
+    try {
+      writer = std::thread([&] {
+        WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
+                  [&] { return stream->WritesDone(); });
+      });
+    } catch (const std::system_error& e) {
+      // Nothing was written: the shard sees a push without messages.
+      context.TryCancel();
+      stream->Finish();
+      return absl::UnavailableError(absl::StrCat(
+          "could not start the thread that writes the PushPull to ", shard.name, ": ", e.what()));
+    }
     *received = 0;
     absl::Status bad = ReadValues(s, stream.get(), &conn.push_pull_in, values, result, received);
     if (!bad.ok()) context.TryCancel();  // also ends a Write the server no longer reads

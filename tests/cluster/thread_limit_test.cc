@@ -1,0 +1,143 @@
+// The gRPC client when a thread cannot be started (a pid or memory limit,
+// as in a container with a pids limit). This binary interposes
+// pthread_create so that a test can refuse the next threads std::thread
+// starts (gRPC's own threads are left alone): std::thread then throws, and
+// the client must still finish the call, or fail it with a status, instead
+// of ending the process.
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "ps_server/grpc_ps_server.h"
+#include "worker/grpc_ps_client.h"
+
+namespace {
+
+std::atomic<int> g_refuse{0};   // std::thread starts still to refuse
+std::atomic<int> g_refused{0};  // refused so far
+
+// True for a start routine of libstdc++ (std::thread's), not gRPC's.
+bool StartedByStdThread(void* (*start)(void*)) {
+  Dl_info info;
+  return dladdr(reinterpret_cast<void*>(start), &info) != 0 && info.dli_fname != nullptr &&
+         std::strstr(info.dli_fname, "libstdc++") != nullptr;
+}
+
+}  // namespace
+
+extern "C" int pthread_create(pthread_t* thread, const pthread_attr_t* attr,
+                              void* (*start)(void*), void* arg) noexcept {
+  using Create = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
+  static const auto real = reinterpret_cast<Create>(dlsym(RTLD_NEXT, "pthread_create"));
+  if (StartedByStdThread(start)) {
+    int left = g_refuse.load();
+    while (left > 0 && !g_refuse.compare_exchange_weak(left, left - 1)) {
+    }
+    if (left > 0) {
+      g_refused.fetch_add(1);
+      return EAGAIN;
+    }
+  }
+  return real(thread, attr, start, arg);
+}
+
+namespace psflow {
+namespace {
+
+using server::OptimizerOptions;
+using server::PsServer;
+using server::PsServerOptions;
+using worker::CreateGrpcPsClient;
+using worker::GrpcPsClientOptions;
+using worker::PsClient;
+
+class ThreadLimitTest : public ::testing::Test {
+ protected:
+  // `num_shards` in-process shards with SGD at learning rate 1 (a value
+  // moves by minus the sum of its gradients) and a client registering
+  // `vars` at 0.
+  void Start(int num_shards, const std::vector<VariableSpec>& vars) {
+    GrpcPsClientOptions options;
+    for (int s = 0; s < num_shards; ++s) {
+      PsServerOptions server_options;
+      server_options.address = "127.0.0.1:0";
+      server_options.store.shard_index = s;
+      server_options.store.num_shards = num_shards;
+      server_options.store.optimizer.kind = OptimizerOptions::Kind::kSgd;
+      server_options.store.optimizer.learning_rate = 1.0f;
+      auto server = PsServer::Start(server_options);
+      ASSERT_TRUE(server.ok()) << server.status();
+      options.ps_addresses.push_back((*server)->client_address());
+      servers_.push_back(std::move(*server));
+    }
+    options.min_split_bytes = 1024;  // "w" is split over the shards
+    auto client = CreateGrpcPsClient(vars, options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    client_ = std::move(*client);
+    for (const VariableSpec& v : vars) zeros_.emplace_back(v.num_elements(), 0.0f);
+    ASSERT_TRUE(client_->Register(Pointers<const float>(zeros_)).ok());
+  }
+  template <typename T>
+  static std::vector<T*> Pointers(std::vector<std::vector<float>>& tensors) {
+    std::vector<T*> out;
+    for (auto& t : tensors) out.push_back(t.data());
+    return out;
+  }
+  std::vector<std::vector<float>> Pulled() {
+    std::vector<std::vector<float>> values = zeros_;
+    EXPECT_TRUE(client_->Pull(Pointers<float>(values)).ok());
+    return values;
+  }
+
+  std::vector<std::unique_ptr<PsServer>> servers_;
+  std::unique_ptr<PsClient> client_;
+  std::vector<std::vector<float>> zeros_;
+};
+
+// A push to two shards starts a thread for the second; refused, the second
+// shard's push runs on the caller's thread after the first's.
+TEST_F(ThreadLimitTest, PushWithoutAThreadPerShardStillReachesEveryShard) {
+  const std::vector<VariableSpec> vars = {{"w", {1000}}, {"b", {10}}};
+  Start(2, vars);
+  ASSERT_EQ(client_->plan().num_shards(), 2);
+  std::vector<std::vector<float>> grads = {std::vector<float>(1000, 1.0f),
+                                           std::vector<float>(10, 2.0f)};
+  g_refused = 0;
+  g_refuse = 1;
+  const absl::Status pushed = client_->Push(Pointers<const float>(grads), {1, 0});
+  g_refuse = 0;
+  EXPECT_TRUE(pushed.ok()) << pushed;
+  EXPECT_EQ(g_refused.load(), 1) << "no thread was refused: the test tested nothing";
+  const auto values = Pulled();
+  EXPECT_EQ(values[0], std::vector<float>(1000, -1.0f));
+  EXPECT_EQ(values[1], std::vector<float>(10, -2.0f));
+}
+
+// A PushPull needs a writer thread beside the reading one (the shard
+// answers each message as it applies it); refused, that attempt fails
+// UNAVAILABLE with nothing sent, and the retry applies the push once.
+TEST_F(ThreadLimitTest, PushPullWithoutItsWriterThreadIsRetriedAndAppliedOnce) {
+  const std::vector<VariableSpec> vars = {{"w", {100}}};
+  Start(1, vars);
+  std::vector<std::vector<float>> grads = {std::vector<float>(100, 3.0f)};
+  std::vector<std::vector<float>> values = zeros_;
+  g_refused = 0;
+  g_refuse = 1;
+  const auto result =
+      client_->PushPull(Pointers<const float>(grads), {1, 0}, Pointers<float>(values));
+  g_refuse = 0;
+  EXPECT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(g_refused.load(), 1) << "no thread was refused: the test tested nothing";
+  EXPECT_EQ(values[0], std::vector<float>(100, -3.0f));
+  EXPECT_EQ(Pulled()[0], std::vector<float>(100, -3.0f));
+}
+
+}  // namespace
+}  // namespace psflow
