@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/channel_arguments.h"
 
@@ -32,6 +34,12 @@ GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides) {
     }
   }
   return defaults;
+}
+
+GrpcArgs KeepaliveGrpcArgs(absl::Duration time, absl::Duration timeout) {
+  return {{GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(time))},
+          {GRPC_ARG_KEEPALIVE_TIMEOUT_MS, absl::StrCat(absl::ToInt64Milliseconds(timeout))},
+          {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"}};
 }
 
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out) {

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/time.h"
+
 namespace grpc {
 class ChannelArguments;
 class ServerBuilderOption;
@@ -22,6 +24,12 @@ using GrpcArgs = std::vector<std::pair<std::string, std::string>>;
 // followed by the other `overrides`: psflow's own settings that --grpc_arg
 // may change.
 GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides);
+
+// HTTP/2 keepalive, for a client or a server: a ping every `time` while
+// calls are open, also when they send no data, and the connection closed
+// when a ping goes `timeout` unanswered (gRPC also makes `timeout` the
+// sockets' TCP_USER_TIMEOUT).
+GrpcArgs KeepaliveGrpcArgs(absl::Duration time, absl::Duration timeout);
 
 // Adds `args` to a client channel's arguments.
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out);

@@ -823,14 +823,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   builder.SetMaxSendMessageSize(-1);
   // Keepalive (see PsServerOptions), also while a call sends no data, and
   // the clients' keepalive pings allowed; --grpc_arg overrides each.
-  const GrpcArgs args = OverrideGrpcArgs(
-      {{GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time))},
-       {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-        absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
-       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"},
-       {GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
-        absl::StrCat(absl::ToInt64Milliseconds(options.min_client_ping_interval))}},
-      options.grpc_args);
+  GrpcArgs defaults = KeepaliveGrpcArgs(options.keepalive_time, options.keepalive_timeout);
+  defaults.emplace_back(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                        absl::StrCat(absl::ToInt64Milliseconds(options.min_client_ping_interval)));
+  const GrpcArgs args = OverrideGrpcArgs(std::move(defaults), options.grpc_args);
   builder.SetOption(GrpcArgsOption(args));
   if (options.threads > 0) {
     grpc::ResourceQuota quota("psflow_ps");

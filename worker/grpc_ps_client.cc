@@ -39,8 +39,8 @@ std::atomic<int64_t> g_push_slices{0};
 
 // Counts the references gRPC holds to the gradient slices of one Push or
 // PushPull (every shard, stream and attempt), so that it returns only once
-// gRPC is done with the caller's memory. Created with one reference, its owner's; each slice adds
-// one, dropped when gRPC lets go of the slice. `alive_` keeps the object
+// gRPC is done with the caller's memory. Created with one reference, its
+// owner's; each slice adds one, dropped when gRPC lets go of the slice. `alive_` keeps the object
 // until both the owner and every slice are done with it, so that an owner
 // that gave up waiting leaves nothing dangling.
 class GradientRefs {
@@ -138,17 +138,6 @@ class PushEncoder {
   std::vector<grpc::Slice> slices_;  // the message so far
 };
 
-// Keepalive (see GrpcPsClientOptions), also while a push sends nothing,
-// then the caller's own arguments.
-GrpcArgs ChannelArgs(const GrpcPsClientOptions& options) {
-  return OverrideGrpcArgs(
-      {{GRPC_ARG_KEEPALIVE_TIME_MS, absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_time))},
-       {GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-        absl::StrCat(absl::ToInt64Milliseconds(options.keepalive_timeout))},
-       {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, "0"}},
-      options.grpc_args);
-}
-
 // Runs fn(i) for i in [0, n) in parallel (i = 0 on the calling thread) and
 // returns their statuses. When a thread cannot be started (a pid or memory
 // limit), the i without one run on the calling thread too, one after
@@ -194,7 +183,11 @@ class GrpcPsClient final : public PsClient {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        AddGrpcArgs(ChannelArgs(options_), &args);
+        // Keepalive (see GrpcPsClientOptions), then the caller's own arguments.
+        AddGrpcArgs(OverrideGrpcArgs(
+                        KeepaliveGrpcArgs(options_.keepalive_time, options_.keepalive_timeout),
+                        options_.grpc_args),
+                    &args);
         if (shard.conns.size() > 1) {
           // A subchannel pool of its own, so that each channel opens its own
           // connection instead of sharing one with the shard's other channels.
