@@ -1,20 +1,10 @@
 // Multi-process test of the real binaries: 2 ps_server + 2 worker processes
 // configured only through TF_CONFIG (as Kubeflow's TFJob does), training the
 // seed model on Debian's Fashion-MNIST for a few hundred steps.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <spawn.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <chrono>
-#include <cstdlib>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -24,93 +14,24 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "tests/cluster/subprocess.h"
 
 namespace {
 
-int FreePort() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in in{};
-  in.sin_family = AF_INET;
-  in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(s, reinterpret_cast<sockaddr*>(&in), sizeof(in));
-  socklen_t len = sizeof(in);
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&in), &len);
-  const int port = ntohs(in.sin_port);
-  ::close(s);
-  return port;
-}
-
-// Starts `argv` with TF_CONFIG set and stdout/stderr to `log`.
-pid_t Spawn(const std::vector<std::string>& argv, const std::string& tf_config,
-            const std::string& log) {
-  std::vector<std::string> env_strings = {"TF_CONFIG=" + tf_config};
-  for (char** e = environ; *e != nullptr; ++e) {
-    if (std::string(*e).rfind("TF_CONFIG=", 0) != 0) env_strings.push_back(*e);
-  }
-  std::vector<char*> envp, args;
-  for (auto& s : env_strings) envp.push_back(s.data());
-  envp.push_back(nullptr);
-  std::vector<std::string> argv_copy = argv;
-  for (auto& a : argv_copy) args.push_back(a.data());
-  args.push_back(nullptr);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, args[0], &actions, nullptr, args.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  return rc == 0 ? pid : -1;
-}
-
-// Waits up to `timeout` for `pid`; returns its exit code, or -1 (and kills
-// it) on timeout or abnormal end.
-int WaitFor(pid_t pid, std::chrono::seconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    int status = 0;
-    const pid_t r = ::waitpid(pid, &status, WNOHANG);
-    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, nullptr, 0);
-  return -1;
-}
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-double JsonNumber(const std::string& json, const std::string& key) {
-  const std::string needle = "\"" + key + "\": ";
-  const size_t at = json.find(needle);
-  if (at == std::string::npos) return -1e300;
-  return std::strtod(json.c_str() + at + needle.size(), nullptr);
-}
+using psflow::test_support::JsonNumber;
+using psflow::test_support::LocalCluster;
+using psflow::test_support::ReadFile;
+using psflow::test_support::Spawn;
+using psflow::test_support::TempDir;
+using psflow::test_support::WaitFor;
 
 TEST(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
   struct stat st;
   ASSERT_EQ(::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st), 0)
       << "Fashion-MNIST is missing: install Debian's dataset-fashion-mnist (deploy/setup.sh)";
-  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
-
-  std::vector<std::string> ps, workers;
-  for (int i = 0; i < 2; ++i) ps.push_back(absl::StrCat("\"localhost:", FreePort(), "\""));
-  for (int i = 0; i < 2; ++i) workers.push_back(absl::StrCat("\"localhost:", FreePort(), "\""));
-  const std::string cluster = absl::StrCat("{\"ps\": [", absl::StrJoin(ps, ", "),
-                                           "], \"worker\": [", absl::StrJoin(workers, ", "), "]}");
-  auto tf_config = [&](const char* type, int index) {
-    return absl::StrCat("{\"cluster\": ", cluster, ", \"task\": {\"type\": \"", type,
-                        "\", \"index\": ", index, "}, \"environment\": \"cloud\"}");
-  };
+  const std::string dir = TempDir();
+  const LocalCluster cluster(2, 2);
+  auto tf_config = [&](const char* type, int index) { return cluster.TfConfig(type, index); };
 
   std::vector<pid_t> ps_pids;
   for (int i = 0; i < 2; ++i) {
@@ -156,8 +77,7 @@ TEST(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
 
 // A malformed TF_CONFIG is refused with a message naming the key; nothing runs.
 TEST(MultiProcessTest, MalformedTfConfigIsAClearError) {
-  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const std::string dir = TempDir();
   const std::string log = dir + "/ps.log";
   pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN},
                     "{\"cluster\": {\"ps\": [\"localhost:1\"]}, \"task\": {\"type\": \"ps\", "
@@ -169,8 +89,7 @@ TEST(MultiProcessTest, MalformedTfConfigIsAClearError) {
 }
 
 TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
-  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const std::string dir = TempDir();
   const std::string log = dir + "/ps.log";
   pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--port=0", "--grpc_arg=grpc.http2.lookahead_bytes"},
                     "", log);
@@ -184,8 +103,7 @@ TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
 // and output.
 std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv,
                                      const std::string& tf_config = "") {
-  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const std::string dir = TempDir();
   const std::string log = dir + "/out.log";
   const pid_t pid = Spawn(argv, tf_config, log);
   if (pid <= 0) return {-2, "spawn failed"};
@@ -247,8 +165,7 @@ TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
 // A "unix:path" ps address is listened on as such (it used to become a
 // random TCP port, since the port was cut from the address at ':').
 TEST(MultiProcessTest, UnixPsAddressIsListenedOn) {
-  char tmpl[] = "/tmp/psflow_mp_XXXXXX";
-  const std::string dir = ::mkdtemp(tmpl);
+  const std::string dir = TempDir();
   const std::string socket_path = dir + "/ps0.sock";
   const std::string log = dir + "/ps.log";
   const pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--ps_hosts=unix:" + socket_path}, "", log);
