@@ -215,6 +215,52 @@ TEST(PartitionPlanTest, FingerprintChangesWithShapeNameShardsAndThreshold) {
   EXPECT_EQ(all.size(), 7u);
 }
 
+// The test vectors of docs/PROTOCOL.md ("The partition plan"), printed by
+// tests/common/plan_reference.py, an implementation written from that page
+// alone: a client in another language computes the plan and fingerprint
+// from the page, so the C++ must agree with it to the bit.
+TEST(PartitionPlanTest, SeedModelMatchesThePublishedTestVectors) {
+  struct Vector {
+    int shards;
+    uint64_t fingerprint;
+    // Per variable of SeedCnn(), in its order: (row_begin, row_end, shard) of each part.
+    std::vector<std::vector<std::tuple<int64_t, int64_t, int>>> parts;
+  };
+  const Vector vectors[] = {
+      {1,
+       0x0a304cd826b95721ULL,
+       {{{0, 3, 0}}, {{0, 32, 0}}, {{0, 21632, 0}}, {{0, 128, 0}}, {{0, 128, 0}}, {{0, 10, 0}}}},
+      {2,
+       0x77f111f7072000d6ULL,
+       {{{0, 3, 1}},
+        {{0, 32, 1}},
+        {{0, 10816, 0}, {10816, 21632, 1}},
+        {{0, 128, 1}},
+        {{0, 128, 0}},
+        {{0, 10, 1}}}},
+      {3,
+       0x0e71908ffc392193ULL,
+       {{{0, 3, 0}},
+        {{0, 32, 1}},
+        {{0, 7211, 0}, {7211, 14422, 1}, {14422, 21632, 2}},
+        {{0, 128, 1}},
+        {{0, 128, 2}},
+        {{0, 10, 1}}}},
+  };
+  for (const Vector& want : vectors) {
+    const PartitionPlan plan = MustCreate(SeedCnn(), want.shards);
+    EXPECT_EQ(plan.fingerprint(), want.fingerprint) << want.shards << " shards";
+    for (int v = 0; v < static_cast<int>(want.parts.size()); ++v) {
+      std::vector<std::tuple<int64_t, int64_t, int>> got;
+      for (int p : plan.PartsOfVariable(v)) {
+        const Part& part = plan.parts()[p];
+        got.emplace_back(part.row_begin, part.row_end, part.shard);
+      }
+      EXPECT_EQ(got, want.parts[v]) << plan.variables()[v].name << ", " << want.shards << " shards";
+    }
+  }
+}
+
 TEST(PartitionPlanTest, FewerRowsThanShardsGivesOnePartPerRow) {
   // 3 * 200000 * 4 = 2.4 MB = 9 * 256 KiB, but only 3 rows.
   const PartitionPlan plan = MustCreate({{"wide", {3, 200000}}}, 8);

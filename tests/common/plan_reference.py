@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""An independent implementation of psflow's partition plan and fingerprint.
+
+Written from docs/PROTOCOL.md ("The partition plan"), not from the C++, as a
+client in another language would. It prints the test vectors that
+PROTOCOL.md publishes and that partition_plan_test.cc checks the C++ plan
+against (SeedModelMatchesThePublishedTestVectors), so a change to either
+the rules or the code that the other does not share fails that test.
+
+Run (standard library only): python3 tests/common/plan_reference.py
+"""
+import struct
+
+MASK = (1 << 64) - 1
+
+
+def fnv1a64(data, h=0xCBF29CE484222325):
+    for byte in data:
+        h ^= byte
+        h = (h * 0x100000001B3) & MASK
+    return h
+
+
+def integer(v):
+    return struct.pack("<q", v)
+
+
+def string(b):
+    return integer(len(b)) + b
+
+
+def plan(variables, num_shards, min_split_bytes=256 * 1024):
+    """variables: [(name, shape)]. Returns ({name: [[row_begin, row_end, shard]]}, fingerprint)."""
+    parts, size, rows_of = {}, {}, {}
+    for name, shape in variables:
+        elements = 1
+        for d in shape:
+            elements *= d
+        rows = rows_of[name] = shape[0] if shape else 1
+        size[name] = 4 * elements
+        k = 1
+        if size[name] > min_split_bytes:
+            k = min(num_shards, rows, max(1, size[name] // min_split_bytes))
+        base, extra = divmod(rows, k)
+        parts[name], row = [], 0
+        for j in range(k):
+            n = base + (1 if j < extra else 0)
+            parts[name].append([row, row + n, None])
+            row += n
+    load = [0] * num_shards
+    for name in sorted(parts, key=lambda n: (-size[n], n.encode())):
+        row_bytes = size[name] // rows_of[name]
+        taken = set()
+        for part in sorted(parts[name], key=lambda p: -(p[1] - p[0])):  # stable: row order
+            shard = min((s for s in range(num_shards) if s not in taken), key=lambda s: (load[s], s))
+            part[2] = shard
+            taken.add(shard)
+            load[shard] += row_bytes * (part[1] - part[0])
+    data = string(b"psflow.PartitionPlan.v1") + integer(num_shards) + integer(min_split_bytes)
+    data += integer(len(variables))
+    shapes = dict(variables)
+    for name in sorted(parts, key=lambda n: n.encode()):
+        data += string(name.encode()) + integer(len(shapes[name]))
+        data += b"".join(integer(d) for d in shapes[name]) + integer(len(parts[name]))
+        for row_begin, row_end, shard in parts[name]:
+            data += integer(row_begin) + integer(row_end) + integer(shard)
+    return parts, fnv1a64(data)
+
+
+SEED_MODEL = [("conv2d/kernel", [3, 3, 1, 32]), ("conv2d/bias", [32]),
+              ("dense/kernel", [21632, 128]), ("dense/bias", [128]),
+              ("dense_1/kernel", [128, 10]), ("dense_1/bias", [10])]
+
+if __name__ == "__main__":
+    for shards in (1, 2, 3):
+        parts, fingerprint = plan(SEED_MODEL, shards)
+        print(f"{shards} shard(s): fingerprint {fingerprint:016x}")
+        for name, _ in SEED_MODEL:
+            print(f"  {name}: " + ", ".join(f"rows [{b},{e}) on {s}" for b, e, s in parts[name]))
