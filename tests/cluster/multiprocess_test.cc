@@ -20,42 +20,60 @@ namespace {
 
 using psflow::test_support::JsonNumber;
 using psflow::test_support::LocalCluster;
+using psflow::test_support::NoSanitizerReport;
+using psflow::test_support::ProcessTest;
 using psflow::test_support::ReadFile;
-using psflow::test_support::Spawn;
-using psflow::test_support::TempDir;
-using psflow::test_support::WaitFor;
 
-TEST(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
+class MultiProcessTest : public ProcessTest {
+ protected:
+  // Runs `argv` (with `tf_config`, none by default) to its end and returns
+  // its exit code and output.
+  std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv,
+                                       const std::string& tf_config = "") {
+    const std::string log = absl::StrCat(dir_, "/run-", ++runs_, ".log");
+    const pid_t pid = Start(argv, tf_config, log);
+    if (pid <= 0) return {-2, "spawn failed"};
+    const int code = Reap(pid, std::chrono::seconds(20));
+    EXPECT_TRUE(NoSanitizerReport(ReadFile(log))) << absl::StrJoin(argv, " ");
+    return {code, ReadFile(log)};
+  }
+
+ private:
+  int runs_ = 0;
+};
+
+TEST_F(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
   struct stat st;
   ASSERT_EQ(::stat("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz", &st), 0)
       << "Fashion-MNIST is missing: install Debian's dataset-fashion-mnist (deploy/setup.sh)";
-  const std::string dir = TempDir();
+  const std::string& dir = dir_;
   const LocalCluster cluster(2, 2);
   auto tf_config = [&](const char* type, int index) { return cluster.TfConfig(type, index); };
 
   std::vector<pid_t> ps_pids;
   for (int i = 0; i < 2; ++i) {
-    ps_pids.push_back(Spawn({PSFLOW_PS_SERVER_BIN}, tf_config("ps", i),
-                            absl::StrCat(dir, "/ps-", i, ".log")));
+    ps_pids.push_back(
+        Start({PSFLOW_PS_SERVER_BIN}, tf_config("ps", i), absl::StrCat(dir, "/ps-", i, ".log")));
     ASSERT_GT(ps_pids.back(), 0);
   }
   std::vector<pid_t> worker_pids;
   for (int i = 0; i < 2; ++i) {
-    worker_pids.push_back(Spawn({PSFLOW_WORKER_BIN, "--train_steps=150", "--epochs=1",
-                                 "--threads=1", "--device=cpu",
-                                 absl::StrCat("--summary_json=", dir, "/worker-", i, ".json")},
-                                tf_config("worker", i), absl::StrCat(dir, "/worker-", i, ".log")));
+    worker_pids.push_back(
+        Start({PSFLOW_WORKER_BIN, "--train_steps=150", "--epochs=1", "--threads=1", "--device=cpu",
+               absl::StrCat("--summary_json=", dir, "/worker-", i, ".json")},
+              tf_config("worker", i), absl::StrCat(dir, "/worker-", i, ".log")));
     ASSERT_GT(worker_pids.back(), 0);
   }
   std::vector<int> codes;
-  for (pid_t p : worker_pids) codes.push_back(WaitFor(p, std::chrono::seconds(240)));
+  for (pid_t p : worker_pids) codes.push_back(Reap(p, std::chrono::seconds(240)));
   for (pid_t p : ps_pids) ::kill(p, SIGTERM);
   std::vector<int> ps_codes;
-  for (pid_t p : ps_pids) ps_codes.push_back(WaitFor(p, std::chrono::seconds(20)));
+  for (pid_t p : ps_pids) ps_codes.push_back(Reap(p, std::chrono::seconds(20)));
 
   for (int i = 0; i < 2; ++i) {
     const std::string log = ReadFile(absl::StrCat(dir, "/worker-", i, ".log"));
     EXPECT_EQ(codes[i], 0) << "worker " << i << " log:\n" << log;
+    EXPECT_TRUE(NoSanitizerReport(log));
     const std::string json = ReadFile(absl::StrCat(dir, "/worker-", i, ".json"));
     ASSERT_FALSE(json.empty()) << "worker " << i << " wrote no summary; log:\n" << log;
     for (const char* key : {"test_accuracy", "test_loss", "steps", "examples_per_sec",
@@ -72,49 +90,31 @@ TEST(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
     EXPECT_EQ(ps_codes[i], 0) << ReadFile(absl::StrCat(dir, "/ps-", i, ".log"));
     EXPECT_THAT(ReadFile(absl::StrCat(dir, "/ps-", i, ".log")),
                 ::testing::HasSubstr(absl::StrCat("shard ", i, " of 2")));
+    EXPECT_TRUE(NoSanitizerReport(ReadFile(absl::StrCat(dir, "/ps-", i, ".log"))));
   }
 }
 
 // A malformed TF_CONFIG is refused with a message naming the key; nothing runs.
-TEST(MultiProcessTest, MalformedTfConfigIsAClearError) {
-  const std::string dir = TempDir();
-  const std::string log = dir + "/ps.log";
-  pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN},
-                    "{\"cluster\": {\"ps\": [\"localhost:1\"]}, \"task\": {\"type\": \"ps\", "
-                    "\"index\": 4}}",
-                    log);
-  ASSERT_GT(pid, 0);
-  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 1);
-  EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("task.index"));
+TEST_F(MultiProcessTest, MalformedTfConfigIsAClearError) {
+  const auto [code, out] =
+      RunToEnd({PSFLOW_PS_SERVER_BIN},
+               "{\"cluster\": {\"ps\": [\"localhost:1\"]}, \"task\": {\"type\": \"ps\", "
+               "\"index\": 4}}");
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("task.index"));
 }
 
-TEST(MultiProcessTest, MalformedGrpcArgIsAClearError) {
-  const std::string dir = TempDir();
-  const std::string log = dir + "/ps.log";
-  pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--port=0", "--grpc_arg=grpc.http2.lookahead_bytes"},
-                    "", log);
-  ASSERT_GT(pid, 0);
-  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 1);
-  EXPECT_THAT(ReadFile(log),
-              ::testing::HasSubstr("'grpc.http2.lookahead_bytes' is not name=value"));
-}
-
-// Runs `argv` (with `tf_config`, none by default) and returns its exit code
-// and output.
-std::pair<int, std::string> RunToEnd(const std::vector<std::string>& argv,
-                                     const std::string& tf_config = "") {
-  const std::string dir = TempDir();
-  const std::string log = dir + "/out.log";
-  const pid_t pid = Spawn(argv, tf_config, log);
-  if (pid <= 0) return {-2, "spawn failed"};
-  const int code = WaitFor(pid, std::chrono::seconds(20));
-  return {code, ReadFile(log)};
+TEST_F(MultiProcessTest, MalformedGrpcArgIsAClearError) {
+  const auto [code, out] =
+      RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=0", "--grpc_arg=grpc.http2.lookahead_bytes"});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("'grpc.http2.lookahead_bytes' is not name=value"));
 }
 
 // Flags that contradict each other or make no sense are refused, naming the
 // flags; before, negative values were ignored, --num_shards could disagree
 // with --ps_hosts, and errors named the worker's --task_type/--task_index.
-TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
+TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
   const std::string ps = PSFLOW_PS_SERVER_BIN;
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{ps, "--ps_hosts=127.0.0.1:1", "--num_shards=4"},
@@ -164,11 +164,10 @@ TEST(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
 
 // A "unix:path" ps address is listened on as such (it used to become a
 // random TCP port, since the port was cut from the address at ':').
-TEST(MultiProcessTest, UnixPsAddressIsListenedOn) {
-  const std::string dir = TempDir();
-  const std::string socket_path = dir + "/ps0.sock";
-  const std::string log = dir + "/ps.log";
-  const pid_t pid = Spawn({PSFLOW_PS_SERVER_BIN, "--ps_hosts=unix:" + socket_path}, "", log);
+TEST_F(MultiProcessTest, UnixPsAddressIsListenedOn) {
+  const std::string socket_path = dir_ + "/ps0.sock";
+  const std::string log = dir_ + "/ps.log";
+  const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--ps_hosts=unix:" + socket_path}, "", log);
   ASSERT_GT(pid, 0);
   struct stat st {};
   bool listening = false;
@@ -177,7 +176,7 @@ TEST(MultiProcessTest, UnixPsAddressIsListenedOn) {
     if (!listening) std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ::kill(pid, SIGTERM);
-  EXPECT_EQ(WaitFor(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
   EXPECT_TRUE(listening) << ReadFile(log);
   EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("listening on unix:" + socket_path));
 }
