@@ -261,6 +261,36 @@ TEST(PartitionPlanTest, SeedModelMatchesThePublishedTestVectors) {
   }
 }
 
+// The edge-case vector of docs/PROTOCOL.md (plan_reference.py's EDGE_MODEL,
+// 4 shards): a variable of exactly min_split_bytes stays whole; k is limited
+// by the rows (b), the bytes (c) and the shards, with uneven rows (g); a
+// scalar; equal sizes placed in the UTF-8 byte order of their names, which
+// sends "\xc3\xa9" to another shard than "e" and "f".
+TEST(PartitionPlanTest, EdgeCasesMatchThePublishedTestVector) {
+  using Parts = std::vector<std::tuple<int64_t, int64_t, int>>;
+  const std::vector<VariableSpec> vars = {
+      {"a", {256, 256}}, {"b", {3, 100000}}, {"c", {1000, 200}}, {"g", {7, 65536}},
+      {"s", {}},         {"f", {1000}},      {"e", {1000}},      {"\xc3\xa9", {1000}}};
+  const std::vector<Parts> want = {{{0, 256, 2}},
+                                   {{0, 1, 3}, {1, 2, 0}, {2, 3, 1}},
+                                   {{0, 334, 2}, {334, 667, 3}, {667, 1000, 0}},
+                                   {{0, 2, 0}, {2, 4, 1}, {4, 6, 2}, {6, 7, 3}},
+                                   {{0, 1, 1}},
+                                   {{0, 1000, 1}},
+                                   {{0, 1000, 1}},
+                                   {{0, 1000, 3}}};
+  const PartitionPlan plan = MustCreate(vars, 4);
+  EXPECT_EQ(plan.fingerprint(), 0x7ed9d7a19fbdf0c4ULL);
+  for (int v = 0; v < static_cast<int>(want.size()); ++v) {
+    Parts got;
+    for (int p : plan.PartsOfVariable(v)) {
+      const Part& part = plan.parts()[p];
+      got.emplace_back(part.row_begin, part.row_end, part.shard);
+    }
+    EXPECT_EQ(got, want[v]) << vars[v].name;
+  }
+}
+
 TEST(PartitionPlanTest, FewerRowsThanShardsGivesOnePartPerRow) {
   // 3 * 200000 * 4 = 2.4 MB = 9 * 256 KiB, but only 3 rows.
   const PartitionPlan plan = MustCreate({{"wide", {3, 200000}}}, 8);

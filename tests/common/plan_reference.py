@@ -48,7 +48,7 @@ def plan(variables, num_shards, min_split_bytes=256 * 1024):
             parts[name].append([row, row + n, None])
             row += n
     load = [0] * num_shards
-    for name in sorted(parts, key=lambda n: (-size[n], n.encode())):
+    for name in sorted(parts, key=lambda n: (-size[n], n.encode("utf-8"))):
         row_bytes = size[name] // rows_of[name]
         taken = set()
         for part in sorted(parts[name], key=lambda p: -(p[1] - p[0])):  # stable: row order
@@ -59,8 +59,8 @@ def plan(variables, num_shards, min_split_bytes=256 * 1024):
     data = string(b"psflow.PartitionPlan.v1") + integer(num_shards) + integer(min_split_bytes)
     data += integer(len(variables))
     shapes = dict(variables)
-    for name in sorted(parts, key=lambda n: n.encode()):
-        data += string(name.encode()) + integer(len(shapes[name]))
+    for name in sorted(parts, key=lambda n: n.encode("utf-8")):
+        data += string(name.encode("utf-8")) + integer(len(shapes[name]))
         data += b"".join(integer(d) for d in shapes[name]) + integer(len(parts[name]))
         for row_begin, row_end, shard in parts[name]:
             data += integer(row_begin) + integer(row_end) + integer(shard)
@@ -71,9 +71,24 @@ SEED_MODEL = [("conv2d/kernel", [3, 3, 1, 32]), ("conv2d/bias", [32]),
               ("dense/kernel", [21632, 128]), ("dense/bias", [128]),
               ("dense_1/kernel", [128, 10]), ("dense_1/bias", [10])]
 
+# The rules' edge cases, on 4 shards: exactly min_split_bytes (not cut), k
+# limited by the rows (b), by the bytes (c) and by the shards with uneven
+# rows (g), a scalar, and equal sizes placed by name in UTF-8 byte order
+# ("e" < "f" < "\u00e9"), which here sends them to different shards.
+EDGE_MODEL = [("a", [256, 256]), ("b", [3, 100000]), ("c", [1000, 200]), ("g", [7, 65536]),
+              ("s", []), ("f", [1000]), ("e", [1000]), ("\u00e9", [1000])]
+
+
+def show(model, shards):
+    parts, fingerprint = plan(model, shards)
+    print(f"{shards} shard(s): fingerprint {fingerprint:016x}")
+    for name, _ in model:
+        print(f"  {name}: " + ", ".join(f"rows [{b},{e}) on {s}" for b, e, s in parts[name]))
+
+
 if __name__ == "__main__":
+    print("seed model")
     for shards in (1, 2, 3):
-        parts, fingerprint = plan(SEED_MODEL, shards)
-        print(f"{shards} shard(s): fingerprint {fingerprint:016x}")
-        for name, _ in SEED_MODEL:
-            print(f"  {name}: " + ", ".join(f"rows [{b},{e}) on {s}" for b, e, s in parts[name]))
+        show(SEED_MODEL, shards)
+    print("edge cases")
+    show(EDGE_MODEL, 4)
