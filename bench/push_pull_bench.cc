@@ -558,7 +558,7 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   }
   auto& client = workers[0].client;
   std::vector<const float*> init(workers[0].vp.begin(), workers[0].vp.end());
-  absl::Status st = client->Register(init);
+  absl::Status st = client->Register(init).status();
   if (!st.ok()) Die(std::string(st.message()));
   // Runs op(worker) on every worker at once; returns when all are done.
   auto all = [&](auto op) {

@@ -259,11 +259,20 @@ class GrpcPsClient final : public PsClient {
 
   const PartitionPlan& plan() const override { return plan_; }
 
-  absl::Status Register(absl::Span<const float* const> initial_values) override {
+  absl::StatusOr<RegisterResult> Register(
+      absl::Span<const float* const> initial_values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
-    return ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(options_.retry, [&] { return RegisterOnce(s, initial_values); });
-    });
+    std::vector<RegisterResponse> responses(plan_.num_shards());
+    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      return RetryCall(options_.retry,
+                       [&] { return RegisterOnce(s, initial_values, &responses[s]); });
+    }));
+    RegisterResult result;
+    for (const RegisterResponse& r : responses) {
+      result.parts_created += r.parts_created();
+      result.parts_kept += r.parts_kept();
+    }
+    return result;
   }
 
   absl::Status WaitForVariables(absl::Duration timeout) override {
@@ -532,12 +541,12 @@ class GrpcPsClient final : public PsClient {
     context->set_deadline(absl::ToChronoTime(std::min(absl::Now() + options_.rpc_timeout, cap)));
   }
 
-  absl::Status RegisterOnce(int s, absl::Span<const float* const> values) {
+  absl::Status RegisterOnce(int s, absl::Span<const float* const> values,
+                            RegisterResponse* response) {
     Shard& shard = shards_[s];
     grpc::ClientContext context;
     SetDeadline(&context);
-    RegisterResponse response;
-    auto writer = shard.stub->RegisterVariables(&context, &response);
+    auto writer = shard.stub->RegisterVariables(&context, response);
     RegisterRequest msg;
     RegisterHeader* header = msg.mutable_header();
     header->set_plan_fingerprint(plan_.fingerprint());

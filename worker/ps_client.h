@@ -20,6 +20,12 @@ struct PullResult {
   int64_t max_version = 0;  // largest part version read
 };
 
+// What a registration found, summed over the shards.
+struct RegisterResult {
+  int parts_created = 0;  // registered now, with the given initial values
+  int parts_kept = 0;     // already there (a restarted chief): their values stay
+};
+
 struct PushInfo {
   int64_t step = 0;          // the worker's step
   int64_t read_version = 0;  // version the gradient was computed from
@@ -37,7 +43,8 @@ class PsClient {
   // Registers every variable of the plan with its initial values
   // (`initial_values[i]` holds variable i). Idempotent: variables already on
   // the shards keep their values. Done by the chief (or worker 0).
-  virtual absl::Status Register(absl::Span<const float* const> initial_values) = 0;
+  virtual absl::StatusOr<RegisterResult> Register(
+      absl::Span<const float* const> initial_values) = 0;
   // Waits until every part of the plan is registered on its shard (the other
   // workers wait for the chief this way). DEADLINE_EXCEEDED after `timeout`.
   virtual absl::Status WaitForVariables(absl::Duration timeout) = 0;

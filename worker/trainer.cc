@@ -173,7 +173,16 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
     std::vector<const float*> init_ptrs;
     for (const auto& v : init) init_ptrs.push_back(v.data());
-    PSFLOW_RETURN_IF_ERROR(client->Register(init_ptrs));
+    PSFLOW_ASSIGN_OR_RETURN(const RegisterResult registered, client->Register(init_ptrs));
+    // A chief restarted against running shards trains on from their values,
+    // not from its own initial ones: say which.
+    if (options.progress != nullptr) {
+      std::fprintf(options.progress,
+                   "registered the model: %d parts created with this worker's initial values, "
+                   "%d kept as the ps shards hold them\n",
+                   registered.parts_created, registered.parts_kept);
+      std::fflush(options.progress);
+    }
   } else {
     PSFLOW_RETURN_IF_ERROR(client->WaitForVariables(options.wait_for_variables));
   }

@@ -86,6 +86,10 @@ TEST_F(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
     EXPECT_GT(JsonNumber(json, "test_accuracy"), 0.6) << json;
   }
   EXPECT_THAT(ReadFile(dir + "/worker-0.log"), ::testing::HasSubstr("(chief)"));
+  // The seed model has 7 parts on 2 shards (dense/kernel is cut in two).
+  EXPECT_THAT(ReadFile(dir + "/worker-0.log"),
+              ::testing::HasSubstr("registered the model: 7 parts created with this worker's "
+                                   "initial values, 0 kept"));
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(ps_codes[i], 0) << ReadFile(absl::StrCat(dir, "/ps-", i, ".log"));
     EXPECT_THAT(ReadFile(absl::StrCat(dir, "/ps-", i, ".log")),

@@ -213,12 +213,19 @@ TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
   const std::vector<VariableSpec> vars = {{"w", {4, 3}}, {"b", {3}}};
   auto client = Client(vars);
   Tensors init = Make(vars, 1.0f);
-  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  auto first = client->Register(init.cptrs());
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->parts_created, static_cast<int>(client->plan().parts().size()));
+  EXPECT_EQ(first->parts_kept, 0);
   Tensors grad = Make(vars, 0.5f);
   ASSERT_TRUE(client->Push(grad.cptrs(), {1, 0}).ok());
-  // A restarted chief registers again with fresh initial values: kept.
+  // A restarted chief registers again with fresh initial values: kept, and
+  // it is told so.
   Tensors other_init = Make(vars, 9.0f);
-  ASSERT_TRUE(client->Register(other_init.cptrs()).ok());
+  auto again = client->Register(other_init.cptrs());
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->parts_created, 0);
+  EXPECT_EQ(again->parts_kept, static_cast<int>(client->plan().parts().size()));
   Tensors out = Make(vars, 0);
   auto pulled = client->Pull(out.ptrs());
   ASSERT_TRUE(pulled.ok());
@@ -411,7 +418,7 @@ TEST_F(PsClusterTest, ServerTakesExtraGrpcArguments) {
   ASSERT_TRUE(limited.ok()) << limited.status();
   addresses_ = {(*limited)->client_address()};
   servers_.push_back(std::move(*limited));
-  auto refused = Client(vars)->Register(init.cptrs());
+  const absl::Status refused = Client(vars)->Register(init.cptrs()).status();
   EXPECT_FALSE(refused.ok());
   EXPECT_THAT(refused.message(), HasSubstr("metadata")) << refused;
 }
@@ -804,7 +811,7 @@ TEST_F(RawPushTest, OversizedChunksAreRefused) {
   const std::vector<VariableSpec> big = {{"big", {20480}}};
   auto client = Client(big, /*chunk=*/80 * 1024);
   Tensors init = Make(big, 0);
-  absl::Status status = client->Register(init.cptrs());
+  absl::Status status = client->Register(init.cptrs()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(status.message(), HasSubstr("at most 65536"));
   // Far beyond gRPC's receive limit (chunk + 1 MiB): refused by gRPC itself.
@@ -838,7 +845,7 @@ TEST_F(PsClusterTest, RegistrationConflictsAreFailedPrecondition) {
   const std::vector<VariableSpec> reshaped = {{"w", {3, 4}}};
   auto other = Client(reshaped);
   Tensors init2 = Make(reshaped, 2);
-  absl::Status status = other->Register(init2.cptrs());
+  absl::Status status = other->Register(init2.cptrs()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
   EXPECT_THAT(status.message(), HasSubstr("'w'"));
   EXPECT_THAT(status.message(), HasSubstr("[4,3]"));
@@ -883,7 +890,7 @@ TEST_F(PsClusterTest, WrongShardCountIsRefused) {
   auto client = CreateGrpcPsClient({{"w", {2}}}, options);
   ASSERT_TRUE(client.ok());
   Tensors init = Make({{"w", {2}}}, 1);
-  absl::Status status = (*client)->Register(init.cptrs());
+  absl::Status status = (*client)->Register(init.cptrs()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("shard 0 of 1"));
   EXPECT_THAT(status.message(), HasSubstr("shard 0 of 2"));
@@ -1006,7 +1013,7 @@ TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {
     late = std::move(*s);
   });
   Tensors init = Make(vars, 3);
-  absl::Status status = client->Register(init.cptrs());
+  absl::Status status = client->Register(init.cptrs()).status();
   starter.join();
   EXPECT_TRUE(status.ok()) << status;
 }
@@ -1058,7 +1065,7 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
   const absl::Status push = (*client)->Push(grads, {1, 0});
   EXPECT_EQ(push.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(push.message(), HasSubstr("gradient of 'b' is null; expected 2 floats"));
-  const absl::Status reg = (*client)->Register(grads);
+  const absl::Status reg = (*client)->Register(grads).status();
   EXPECT_THAT(reg.message(), HasSubstr("initial values of 'b' is null"));
   const absl::Status pull = (*client)->Pull(out).status();
   EXPECT_EQ(pull.code(), absl::StatusCode::kInvalidArgument);
