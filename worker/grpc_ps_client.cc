@@ -259,8 +259,7 @@ class GrpcPsClient final : public PsClient {
 
   const PartitionPlan& plan() const override { return plan_; }
 
-  absl::StatusOr<RegisterResult> Register(
-      absl::Span<const float* const> initial_values) override {
+  absl::StatusOr<RegisterResult> Register(absl::Span<const float* const> initial_values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     std::vector<RegisterResponse> responses(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
