@@ -27,18 +27,31 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
   const int attempts = std::max(1, options.max_attempts);
   const int deadline_attempts = std::max(1, options.max_deadline_attempts);
   int made = 0, timed_out = 0;
+  bool past_window = false;
+  const absl::Time first = absl::Now();
   for (int i = 1; i <= attempts; ++i) {
     status = attempt();
     made = i;
     if (status.ok() || !IsRetryable(status)) return status;
     if (absl::IsDeadlineExceeded(status) && ++timed_out >= deadline_attempts) break;
     if (i == attempts) break;
-    absl::SleepFor(backoff.Next());
+    const absl::Duration wait = backoff.Next();
+    if (absl::Now() + wait - first > options.retry_window) {
+      past_window = true;
+      break;
+    }
+    absl::SleepFor(wait);
+  }
+  std::string why;
+  if (past_window) {
+    why = absl::StrCat("; another would start more than ",
+                       absl::FormatDuration(options.retry_window), " after the first",
+                       options.window_reason.empty() ? "" : ", ", options.window_reason);
   }
   return absl::Status(
       status.code(),
       absl::StrCat(status.message(), " (gave up after ", made, " attempt", made == 1 ? "" : "s",
-                   timed_out > 0 ? absl::StrCat(", ", timed_out, " of them timed out") : "",
+                   timed_out > 0 ? absl::StrCat(", ", timed_out, " of them timed out") : "", why,
                    ")"));
 }
 

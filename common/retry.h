@@ -25,6 +25,12 @@ struct RetryOptions {
   // the worker's 60 s) to report a hung shard; a refused connection
   // (UNAVAILABLE) fails at once and keeps the full max_attempts.
   int max_deadline_attempts = 2;
+  // No retry starts later than this after the first attempt began (the
+  // first attempt always runs). For a call whose retries are safe only for
+  // a while: a push's request id is remembered by the shard for a limited
+  // time. `window_reason`, if set, ends the error of a call stopped by it.
+  absl::Duration retry_window = absl::InfiniteDuration();
+  std::string window_reason;
 };
 
 // True for the codes worth retrying: UNAVAILABLE and DEADLINE_EXCEEDED.
@@ -46,8 +52,9 @@ class Backoff {
 
 // Runs `attempt` until it succeeds, fails with a non-retryable status, or
 // `max_attempts` are spent (or `max_deadline_attempts` ended in
-// DEADLINE_EXCEEDED); sleeps per Backoff between attempts. The final error
-// says how many attempts were made.
+// DEADLINE_EXCEEDED), or another would start past `retry_window`; sleeps
+// per Backoff between attempts. The final error says how many attempts
+// were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt);
 
 }  // namespace psflow

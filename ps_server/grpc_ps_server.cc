@@ -355,6 +355,10 @@ class PsServer::Service final : public grpc::Service {
     response->set_duplicate_elements(stats.duplicate_elements);
     response->set_rejected_requests(stats.rejected_requests);
     response->set_parameter_bytes(stats.parameter_bytes);
+    response->set_request_id_retention_ms(
+        absl::ToInt64Milliseconds(store_->options().request_id_retention));
+    response->set_ledger_ids(stats.ledger_ids);
+    response->set_ledger_ids_forgotten_early(stats.ledger_ids_forgotten_early);
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());

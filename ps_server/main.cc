@@ -79,6 +79,15 @@ ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "machine's memory, or the limit of this process's cgroup (container, Kubernetes pod) "
           "where lower, less a tenth (at least 64 MiB) for the rest of the process; -1 = no "
           "limit).");
+ABSL_FLAG(double, request_id_retention_s, 900,
+          "Seconds a push's request id is remembered, so that a retry of it is applied once "
+          "(exactly once); the workers start no retry later than their own "
+          "--request_id_retention_s less --rpc_timeout_s after the push began, so give both "
+          "binaries the same value.");
+ABSL_FLAG(int64_t, request_ledger_bytes, 32 << 20,
+          "About the most memory the remembered request ids may take (about 230 bytes each, more "
+          "for a push that left gaps); beyond it the oldest are forgotten before their "
+          "retention, which the shard reports on stderr and in GetStatus.");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,
           "Accept gradients containing NaN or Inf (rejected with INVALID_ARGUMENT by default).");
 
@@ -117,6 +126,17 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.store.max_variable_bytes = absl::GetFlag(FLAGS_max_variable_bytes);
+  const double retention_s = absl::GetFlag(FLAGS_request_id_retention_s);
+  if (!(retention_s >= 0 && retention_s <= 1e9)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--request_id_retention_s is ", retention_s, "; expected 0 to 1e9 seconds"));
+  }
+  options.store.request_id_retention = absl::Seconds(retention_s);
+  options.store.request_ledger_bytes = absl::GetFlag(FLAGS_request_ledger_bytes);
+  if (options.store.request_ledger_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--request_ledger_bytes is ", options.store.request_ledger_bytes, "; expected at least 1"));
+  }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
   options.apply_window = absl::GetFlag(FLAGS_apply_window);

@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "common/float_buffer.h"
 #include "ps_server/optimizer.h"
 
@@ -38,13 +39,19 @@ struct VariableStoreOptions {
   bool allow_non_finite_gradients = false;  // NaN/Inf gradients are rejected by default
   // Largest segment (bytes of float data) accepted in one message.
   int64_t max_chunk_bytes = 4 << 20;
-  // Push request ids remembered for exactly-once retries (at least 1), and
-  // about the most bytes their records may take. A finished push costs a bit
-  // per part; a push that left gaps in a part (sparse segments, a broken
-  // stream) keeps its ranges until it is complete. Beyond either bound the
-  // oldest ids are forgotten first: a retry of a forgotten id is applied as
-  // a new push.
-  int request_ledger_size = 8192;
+  // How long a push request id is remembered for exactly-once retries (at
+  // least that long, counted from its first call, unless the byte bound
+  // below forces it out sooner), and about the most bytes the remembered
+  // records may take. A finished push costs about 230 bytes plus a bit per
+  // part; a push that left gaps in a part (sparse segments, a broken
+  // stream) keeps its ranges until it is complete. A retry of a forgotten id
+  // is applied as a new push, so the retention must outlast the clients'
+  // retries: the worker starts none later than its --request_id_retention_s
+  // less its --rpc_timeout_s after the push began. Ids are forgotten by age,
+  // not by count, so that a busy shard does not forget the id of a push
+  // whose reply was lost while its client waits out the deadline. An id
+  // whose sessions are still applying is never forgotten.
+  absl::Duration request_id_retention = absl::Minutes(15);
   int64_t request_ledger_bytes = 32 << 20;
   // The most bytes of parameters and optimizer slots this shard holds. A
   // registration whose new parts would take it beyond that is refused with
@@ -95,6 +102,9 @@ struct StoreStats {
   int64_t parameter_bytes = 0;
   int64_t ledger_ids = 0;    // push request ids remembered
   int64_t ledger_bytes = 0;  // about what their records take
+  // Ids forgotten before request_id_retention because the records passed
+  // request_ledger_bytes: a retry of one of those would apply twice.
+  int64_t ledger_ids_forgotten_early = 0;
 };
 
 struct RegisterResult {
@@ -154,6 +164,7 @@ class VariableStore {
   // request id), so a part's segments can come in any order and in parallel;
   // the entry's lock is not held while the optimizer runs.
   struct LedgerEntry {
+    explicit LedgerEntry(absl::Time first_seen) : created(first_seen) {}
     struct Progress {
       int64_t step = 0;
       RangeMap done;     // adjacent ones merged
@@ -168,8 +179,9 @@ class VariableStore {
     // instead of a Progress: a model of many variables pushed under
     // thousands of remembered ids costs the ledger bits, not tree nodes.
     std::vector<uint64_t> complete ABSL_GUARDED_BY(mu);
-    int64_t bytes ABSL_GUARDED_BY(mu) = 0;  // about what the above take
+    int64_t bytes ABSL_GUARDED_BY(mu) = 0;     // about what the above and the id take
     bool evicted ABSL_GUARDED_BY(mu) = false;  // no longer counted in ledger_bytes_
+    const absl::Time created;                  // the id's first call
   };
 
  public:
@@ -282,6 +294,14 @@ class VariableStore {
   absl::StatusOr<Part*> FindPart(absl::string_view variable) const;
   std::unique_ptr<Part> NewPart(const PartDefinition& def) const;
   std::shared_ptr<LedgerEntry> LedgerFor(uint64_t request_id);
+  // Forgets the ids past their retention and, beyond request_ledger_bytes,
+  // the oldest ones early (none still in use); returns how many went early.
+  int64_t TrimLedgerLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ledger_mu_);
+  // The same, for a record that grew (a push that left gaps): without it an
+  // old id could grow after the newer ones came, and many of them beyond
+  // the bound.
+  void TrimLedger() ABSL_LOCKS_EXCLUDED(ledger_mu_);
+  void ReportForgottenEarly(int64_t forgotten);
   absl::Status CheckSegment(const Part& part, int64_t offset, const void* data, int64_t count,
                             bool check_values) const;
 
@@ -301,6 +321,7 @@ class VariableStore {
   std::deque<uint64_t> ledger_order_ ABSL_GUARDED_BY(ledger_mu_);
   // The sum of the remembered entries' `bytes`.
   std::atomic<int64_t> ledger_bytes_{0};
+  std::atomic<int64_t> ledger_forgotten_early_{0};
 
   std::atomic<int64_t> pushes_{0};
   std::atomic<int64_t> elements_applied_{0};

@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "common/grpc_args.h"
@@ -173,7 +174,10 @@ absl::Status ForEachShard(int num_shards, const std::function<absl::Status(int)>
 class GrpcPsClient final : public PsClient {
  public:
   GrpcPsClient(PartitionPlan plan, const GrpcPsClientOptions& options)
-      : plan_(std::move(plan)), options_(options), shards_(plan_.num_shards()) {
+      : plan_(std::move(plan)),
+        options_(options),
+        push_retry_(PushRetryOptions(options)),
+        shards_(plan_.num_shards()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
@@ -262,11 +266,16 @@ class GrpcPsClient final : public PsClient {
   absl::StatusOr<RegisterResult> Register(absl::Span<const float* const> initial_values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     std::vector<RegisterResponse> responses(plan_.num_shards());
+    std::atomic<bool> retried{false};
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(options_.retry,
-                       [&] { return RegisterOnce(s, initial_values, &responses[s]); });
+      int attempts = 0;
+      return RetryCall(options_.retry, [&] {
+        if (++attempts > 1) retried = true;
+        return RegisterOnce(s, initial_values, &responses[s]);
+      });
     }));
     RegisterResult result;
+    result.retried = retried;
     for (const RegisterResponse& r : responses) {
       result.parts_created += r.parts_created();
       result.parts_kept += r.parts_kept();
@@ -359,7 +368,7 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryCall(options_.retry, [&] {
+      return RetryCall(push_retry_, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end) {
           return PushOnce(s, k, begin, end, grads, info, request_id, refs);
         });
@@ -378,7 +387,7 @@ class GrpcPsClient final : public PsClient {
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
-      return RetryCall(options_.retry, [&] {
+      return RetryCall(push_retry_, [&] {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
@@ -705,11 +714,13 @@ class GrpcPsClient final : public PsClient {
     const bool released = refs->AwaitNoSlices(options_.rpc_timeout);
     refs->Release();
     if (released) return status;
-    return absl::InternalError(absl::StrCat(
+    absl::Status held = absl::InternalError(absl::StrCat(
         "gRPC still holds part of the pushed gradient ", absl::FormatDuration(options_.rpc_timeout),
         " after the calls ended; it must not be freed or changed while this process runs (the "
         "push: ",
         status.ok() ? "succeeded" : status.ToString(), ")"));
+    held.SetPayload(kGradientStillHeldPayload, absl::Cord("1"));
+    return held;
   }
 
   // Connection k's pull of shard s (see BuildPullRequest).
@@ -788,8 +799,22 @@ class GrpcPsClient final : public PsClient {
     return out;
   }
 
+  // The retries of a push: only while the shards are sure to remember its
+  // request id (GrpcPsClientOptions::request_id_retention).
+  static RetryOptions PushRetryOptions(const GrpcPsClientOptions& options) {
+    RetryOptions retry = options.retry;
+    retry.retry_window =
+        std::max(absl::ZeroDuration(), options.request_id_retention - options.rpc_timeout);
+    retry.window_reason =
+        absl::StrCat("when the ps shard may have forgotten the push's request id (it keeps them ",
+                     absl::FormatDuration(options.request_id_retention),
+                     ", --request_id_retention_s) and would apply a retry twice");
+    return retry;
+  }
+
   const PartitionPlan plan_;
   const GrpcPsClientOptions options_;
+  const RetryOptions push_retry_;
   std::vector<Shard> shards_;
   absl::Mutex id_mu_;
   absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);
@@ -827,6 +852,11 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
     return absl::InvalidArgumentError(
         absl::StrCat("rpc_timeout is ", absl::FormatDuration(options.rpc_timeout),
                      "; expected a positive, finite deadline for each call (--rpc_timeout_s)"));
+  }
+  if (options.request_id_retention < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_id_retention is ", absl::FormatDuration(options.request_id_retention),
+                     "; expected 0 or more (--request_id_retention_s)"));
   }
   for (const auto& [name, value] :
        {std::pair{"keepalive_time", options.keepalive_time},

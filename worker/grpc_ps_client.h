@@ -28,6 +28,14 @@ struct GrpcPsClientOptions {
   int64_t max_chunk_bytes = 1 << 20;      // data per stream message (<= the servers' limit)
   absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
   RetryOptions retry;
+  // How long the ps shards remember a push's request id (their
+  // --request_id_retention_s). A push is retried only while that is sure to
+  // hold: no retry starts later than request_id_retention less rpc_timeout
+  // after the push began (the retry's messages reach the shard within its
+  // deadline), so no retried push is applied twice. With the defaults (15
+  // minutes, 60 s) this never cuts the retries short: ten attempts of a
+  // whole deadline each, with their backoff, take about 10.5 minutes.
+  absl::Duration request_id_retention = absl::Minutes(15);
   bool check_finite = true;  // refuse to push NaN/Inf (before anything is sent)
   // Connections per shard that a Push or PushPull is split over: each
   // carries a contiguous share of the shard's messages on its own HTTP/2

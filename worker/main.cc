@@ -72,6 +72,11 @@ ABSL_FLAG(int, ps_streams, 0,
           "the shard receives it on several threads; 1 to 64, or 0 = 4 on machines with 8 or "
           "more cores, else 1.");
 ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
+ABSL_FLAG(double, request_id_retention_s, 900,
+          "Seconds the ps shards remember a push's request id (their own "
+          "--request_id_retention_s; give both the same value): a failed push is retried only "
+          "while a retry starts within this less --rpc_timeout_s of the push, so that none is "
+          "applied twice.");
 ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
           "register the variables.");
 ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end.");
@@ -206,6 +211,12 @@ int main(int argc, char** argv) {
   if (!grpc_args.ok()) return Fail(grpc_args.status());
   client_options.grpc_args = std::move(*grpc_args);
   client_options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
+  const double retention_s = absl::GetFlag(FLAGS_request_id_retention_s);
+  if (!(retention_s >= 0 && retention_s <= 1e9)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--request_id_retention_s is ", retention_s, "; expected 0 to 1e9 seconds")));
+  }
+  client_options.request_id_retention = absl::Seconds(retention_s);
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());
 

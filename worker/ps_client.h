@@ -24,7 +24,18 @@ struct PullResult {
 struct RegisterResult {
   int parts_created = 0;  // registered now, with the given initial values
   int parts_kept = 0;     // already there (a restarted chief): their values stay
+  // Some shard's registration was retried: parts that an attempt whose
+  // reply was lost created count as kept.
+  bool retried = false;
 };
+
+// Push's and PushPull's INTERNAL error "gRPC still holds part of the
+// gradient" carries this payload (see Push): the caller must then neither
+// free nor change the gradient while the process runs.
+inline constexpr char kGradientStillHeldPayload[] = "type.psflow.dev/GradientStillHeld";
+inline bool GradientStillHeld(const absl::Status& status) {
+  return status.GetPayload(kGradientStillHeldPayload).has_value();
+}
 
 struct PushInfo {
   int64_t step = 0;          // the worker's step

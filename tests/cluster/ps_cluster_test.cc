@@ -1033,6 +1033,33 @@ TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
   EXPECT_THAT(pulled.status().message(), HasSubstr("3 attempts"));
 }
 
+// A push is retried only while the shards are sure to remember its request
+// id: with a retention no longer than the deadline, not at all (a pull, which
+// applies nothing, still is).
+TEST_F(PsClusterTest, PushIsNotRetriedPastTheShardsRequestIdRetention) {
+  addresses_ = {"127.0.0.1:1"};  // nothing listens on port 1
+  GrpcPsClientOptions options;
+  options.ps_addresses = addresses_;
+  options.retry.max_attempts = 3;
+  options.retry.initial_backoff = absl::Milliseconds(10);
+  options.rpc_timeout = absl::Seconds(2);
+  options.request_id_retention = absl::Seconds(2);
+  auto client = CreateGrpcPsClient({{"w", {3}}}, options);
+  ASSERT_TRUE(client.ok());
+  Tensors grads = Make({{"w", {3}}}, 1);
+  const absl::Status pushed = (*client)->Push(grads.cptrs(), {1, 0});
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(pushed.message(), HasSubstr("ps shard 0 (127.0.0.1:1)"));
+  EXPECT_THAT(pushed.message(), HasSubstr("gave up after 1 attempt;"));
+  EXPECT_THAT(pushed.message(), HasSubstr("--request_id_retention_s"));
+  Tensors out = Make({{"w", {3}}}, 0);
+  EXPECT_THAT((*client)->Pull(out.ptrs()).status().message(), HasSubstr("3 attempts"));
+
+  options.request_id_retention = absl::Seconds(-1);
+  EXPECT_THAT(CreateGrpcPsClient({{"w", {3}}}, options).status().message(),
+              HasSubstr("request_id_retention"));
+}
+
 // Options and tensors the client cannot use are refused before any call,
 // naming what is wrong.
 TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {

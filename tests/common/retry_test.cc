@@ -53,6 +53,37 @@ TEST(RetryCallTest, TimeoutsAreRetriedOnlyUpToMaxDeadlineAttempts) {
   EXPECT_THAT(s.message(), HasSubstr("gave up after 6 attempts, 2 of them timed out"));
 }
 
+// A push may be retried only while the shard still remembers its request
+// id: no attempt starts past the window, and the error says why.
+TEST(RetryCallTest, NoRetryStartsPastTheRetryWindow) {
+  RetryOptions o = Fast();
+  o.retry_window = absl::ZeroDuration();
+  o.window_reason = "when the shard may have forgotten the id";
+  int calls = 0;
+  absl::Status s = RetryCall(o, [&] {
+    ++calls;
+    return absl::UnavailableError("refused");
+  });
+  EXPECT_EQ(calls, 1);  // the first attempt always runs
+  EXPECT_TRUE(absl::IsUnavailable(s));
+  EXPECT_THAT(s.message(), HasSubstr("refused (gave up after 1 attempt; another would start more "
+                                     "than 0 after the first, when the shard may have forgotten "
+                                     "the id)"));
+
+  // Attempts that each take 20 ms, in a 50 ms window: the third begins about
+  // 40 ms after the first (and the backoff is microseconds); no fourth.
+  o.retry_window = absl::Milliseconds(50);
+  calls = 0;
+  s = RetryCall(o, [&] {
+    ++calls;
+    absl::SleepFor(absl::Milliseconds(20));
+    return absl::UnavailableError("refused");
+  });
+  EXPECT_GE(calls, 1);
+  EXPECT_LE(calls, 3);
+  EXPECT_THAT(s.message(), HasSubstr("after the first"));
+}
+
 TEST(RetryCallTest, SuccessAndPermanentErrorsEndAtOnce) {
   int calls = 0;
   EXPECT_TRUE(RetryCall(Fast(), [&] {
