@@ -830,6 +830,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   GrpcArgs defaults = KeepaliveGrpcArgs(options.keepalive_time, options.keepalive_timeout);
   defaults.emplace_back(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                         absl::StrCat(absl::ToInt64Milliseconds(options.min_client_ping_interval)));
+  // gRPC sets SO_REUSEPORT on its listening sockets by default, so a second
+  // shard started on a port in use listened beside the first, and the
+  // kernel split the workers' connections between the two. Off: it fails.
+  defaults.emplace_back(GRPC_ARG_ALLOW_REUSEPORT, "0");
   const GrpcArgs args = OverrideGrpcArgs(std::move(defaults), options.grpc_args);
   builder.SetOption(GrpcArgsOption(args));
   if (options.threads > 0) {

@@ -33,8 +33,8 @@ ABSL_FLAG(std::optional<int>, port, std::nullopt,
 ABSL_FLAG(std::string, address, "",
           "Full listen address instead of --port, e.g. 0.0.0.0:2222 or unix:/tmp/ps0.sock.");
 ABSL_FLAG(std::optional<int>, shard_index, std::nullopt,
-          "This shard's index (default: TF_CONFIG task.index, else 0 if the ps list has one "
-          "address; required otherwise).");
+          "This shard's index (default: TF_CONFIG task.index, else 0 if there is one shard; "
+          "required otherwise).");
 ABSL_FLAG(std::optional<int>, num_shards, std::nullopt,
           "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1; when "
           "given with a ps list, it must agree).");
@@ -204,6 +204,12 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   } else {
     if (shard_flag) shard_index = *shard_flag;
     if (shards_flag) num_shards = *shards_flag;
+    if (!shard_flag && num_shards > 1) {
+      // Every shard of the job would otherwise be shard 0.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--num_shards=", num_shards, " but --shard_index was not given; expected 0..",
+          num_shards - 1, " (or TF_CONFIG with task.index)"));
+    }
     if (shard_index >= num_shards) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--shard_index=", shard_index, " but there ", num_shards == 1 ? "is " : "are ",

@@ -18,11 +18,13 @@
 
 namespace {
 
+using psflow::test_support::IsRunning;
 using psflow::test_support::JsonNumber;
 using psflow::test_support::LocalCluster;
 using psflow::test_support::NoSanitizerReport;
 using psflow::test_support::ProcessTest;
 using psflow::test_support::ReadFile;
+using psflow::test_support::WaitForText;
 
 class MultiProcessTest : public ProcessTest {
  protected:
@@ -129,6 +131,7 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--port=0", "--shard_index=3", "--num_shards=2"},
        "--shard_index=3 but there are 2 shards"},
       {{ps, "--ps_hosts=127.0.0.1:1,127.0.0.1:2"}, "--shard_index was not given"},
+      {{ps, "--port=0", "--num_shards=2"}, "--num_shards=2 but --shard_index was not given"},
       {{ps, "--port=0", "--address=127.0.0.1:0"}, "--port and --address were both given"},
   };
   for (const auto& [argv, want] : cases) {
@@ -164,6 +167,24 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
     EXPECT_EQ(code, 1) << absl::StrJoin(argv, " ") << "\n" << out;
     EXPECT_THAT(out, ::testing::HasSubstr(want)) << absl::StrJoin(argv, " ");
   }
+}
+
+// A second shard started on a port another one listens on fails, naming
+// the address: gRPC's default SO_REUSEPORT had let it listen beside the
+// first, and the kernel split the workers' connections between the two.
+TEST_F(MultiProcessTest, PortInUseIsRefused) {
+  LocalCluster cluster(1, 0);
+  const std::string port = cluster.ps[0].substr(cluster.ps[0].rfind(':') + 1);
+  const std::string log = dir_ + "/ps.log";
+  const pid_t first = Start({PSFLOW_PS_SERVER_BIN, "--port=" + port}, "", log);
+  ASSERT_GT(first, 0);
+  ASSERT_TRUE(WaitForText(log, "listening on", first, std::chrono::seconds(20))) << ReadFile(log);
+  const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=" + port});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("could not listen on 0.0.0.0:" + port));
+  EXPECT_TRUE(IsRunning(first));
+  ::kill(first, SIGTERM);
+  EXPECT_EQ(Reap(first, std::chrono::seconds(20)), 0) << ReadFile(log);
 }
 
 // A "unix:path" ps address is listened on as such (it used to become a

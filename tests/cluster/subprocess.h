@@ -34,12 +34,13 @@ extern char** environ;
 namespace psflow::test_support {
 
 // A TCP port held for this object's lifetime by a socket bound to it with
-// SO_REUSEPORT and not listening. gRPC's servers set SO_REUSEPORT too, so a
-// ps_server of the same user can listen on the port, while no other socket
-// can take it: not another test's server asking for a free port before ours
-// starts (a port that was merely free a moment ago could be, and with
-// SO_REUSEPORT two servers would then share it), and not one after ours
-// was killed, while the workers still dial it.
+// SO_REUSEADDR and not listening. gRPC's servers set SO_REUSEADDR too, and
+// Linux lets such a socket bind beside one that is not listening, so a
+// ps_server can listen on the port. Other sockets cannot take it: the kernel
+// hands out no port with a socket bound to it to one asking for a free
+// port, so not another test's server before ours starts, nor one after ours
+// was killed, while the workers still dial it; and ps_server does not set
+// SO_REUSEPORT, so no second server listens beside ours.
 class ReservedPort {
  public:
   ReservedPort() {
@@ -49,7 +50,7 @@ class ReservedPort {
     in.sin_family = AF_INET;
     in.sin_addr.s_addr = htonl(INADDR_ANY);
     socklen_t len = sizeof(in);
-    if (fd_ < 0 || ::setsockopt(fd_, SOL_SOCKET, SO_REUSEPORT, &one, sizeof(one)) != 0 ||
+    if (fd_ < 0 || ::setsockopt(fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) != 0 ||
         ::bind(fd_, reinterpret_cast<sockaddr*>(&in), sizeof(in)) != 0 ||
         ::getsockname(fd_, reinterpret_cast<sockaddr*>(&in), &len) != 0) {
       std::perror("psflow test: reserving a port");
