@@ -154,8 +154,8 @@ absl::Status ParseClusterJobs(const Value& cluster, Draft* d) {
 absl::Status ParseTask(const Value& task, Draft* d) {
   if (task.kind_case() != Value::kStructValue) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "TF_CONFIG: \"task\" must be an object like {\"type\": \"worker\", \"index\": 0}, got ",
-        KindOf(task)));
+        "TF_CONFIG: \"task\" must be an object like {\"type\": \"ps\", \"index\": 0} (type one of ",
+        kExpectedTypes, "), got ", KindOf(task)));
   }
   const auto& fields = task.struct_value().fields();
   if (auto it = fields.find("type"); it != fields.end()) {
@@ -214,7 +214,23 @@ absl::Status CheckJsonDepth(absl::string_view json) {
   return absl::OkStatus();
 }
 
+constexpr char kExpectedTfConfig[] =
+    "expected an object like {\"cluster\": {\"worker\": [\"host:port\"], \"ps\": "
+    "[\"host:port\"]}, \"task\": {\"type\": \"ps\", \"index\": 0}}";
+
 absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
+  // A JSON list or string is valid JSON, but not the object TF_CONFIG is
+  // (protobuf would say "Root element must be a message").
+  const absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(json);
+  if (!trimmed.empty() && trimmed[0] != '{') {
+    const char c = trimmed[0];
+    return absl::InvalidArgumentError(
+        absl::StrCat("TF_CONFIG must be a JSON object, got ",
+                     c == '['   ? "a list"
+                     : c == '"' ? "a string"
+                                : absl::StrCat("'", trimmed.substr(0, 20), "'"),
+                     "; ", kExpectedTfConfig));
+  }
   PSFLOW_RETURN_IF_ERROR(CheckJsonDepth(json));
   Struct root;
   google::protobuf::util::JsonParseOptions options;
@@ -226,9 +242,7 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
     const absl::string_view first_line =
         absl::StripAsciiWhitespace(absl::string_view(message).substr(0, message.find('\n')));
     return absl::InvalidArgumentError(
-        absl::StrCat("TF_CONFIG is not valid JSON: ", first_line,
-                     "; expected an object like {\"cluster\": {\"worker\": [\"host:port\"]}, "
-                     "\"task\": {\"type\": \"worker\", \"index\": 0}}"));
+        absl::StrCat("TF_CONFIG is not valid JSON: ", first_line, "; ", kExpectedTfConfig));
   }
   // Other top-level keys ("environment", "rpc_layer", ...) are not ours.
   if (root.fields().contains("sparseCluster") && !root.fields().contains("cluster")) {
@@ -314,6 +328,10 @@ std::string AddressProblem(absl::string_view address) {
     if (close + 1 >= address.size() || address[close + 1] != ':') return "has no \":port\"";
     port = address.substr(close + 2);
   } else {
+    if (const size_t scheme = address.find("://"); scheme != absl::string_view::npos) {
+      return absl::StrFormat("has a URL scheme (%s), which a gRPC address has not",
+                             Quoted(address.substr(0, scheme + 3)));
+    }
     const size_t colon = address.rfind(':');
     if (colon == absl::string_view::npos) return "has no \":port\"";
     host = address.substr(0, colon);

@@ -4,6 +4,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -28,9 +29,13 @@ int64_t ResidentBytes() {
 }
 
 int64_t PeakResidentBytes() {
+  // The kernel updates its high-water mark only now and then (when it
+  // syncs the counters), so it can lag behind the resident size just read
+  // from statm: a peak below the current size was reported.
   struct rusage usage;
-  if (getrusage(RUSAGE_SELF, &usage) != 0) return 0;
-  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+  const int64_t peak =
+      getrusage(RUSAGE_SELF, &usage) == 0 ? static_cast<int64_t>(usage.ru_maxrss) * 1024 : 0;
+  return std::max(peak, ResidentBytes());
 }
 
 namespace {

@@ -11,7 +11,8 @@ namespace psflow {
 // Resident set size of this process in bytes (from /proc/self/statm); 0 if
 // unknown.
 int64_t ResidentBytes();
-// Peak resident set size in bytes (getrusage); 0 if unknown.
+// Peak resident set size in bytes (getrusage), at least ResidentBytes();
+// 0 if unknown.
 int64_t PeakResidentBytes();
 // The most memory this process may use, in bytes: the smaller of the
 // machine's RAM and the memory limit of the process's cgroup (cgroup v2

@@ -261,11 +261,17 @@ int main(int argc, char** argv) {
   if (!server.ok()) return Fail(server.status());
 
   const int64_t limit = (*server)->store().max_variable_bytes();
-  std::printf("ps_server: shard %d of %d listening on %s (port %d), optimizer %s, %s\n",
-              options->store.shard_index, options->store.num_shards, options->address.c_str(),
-              (*server)->port(), (*server)->store().optimizer().DebugString().c_str(),
-              limit > 0 ? absl::StrCat("variables up to ", limit >> 20, " MiB").c_str()
-                        : "no limit on variable bytes");
+  // The address with the port it got (--port=0 picks one).
+  std::string listening = options->address;
+  if (!absl::StartsWith(listening, "unix:")) {
+    listening = absl::StrCat(listening.substr(0, listening.rfind(':')), ":", (*server)->port());
+  }
+  std::printf("ps_server: shard %d of %d listening on %s, optimizer %s, %s\n",
+              options->store.shard_index, options->store.num_shards, listening.c_str(),
+              (*server)->store().optimizer().DebugString().c_str(),
+              limit <= 0         ? "no limit on variable bytes"
+              : limit >= 1 << 20 ? absl::StrCat("variables up to ", limit >> 20, " MiB").c_str()
+                                 : absl::StrCat("variables up to ", limit, " bytes").c_str());
   std::fflush(stdout);
 
   int sig = 0;

@@ -206,22 +206,26 @@ bool FinitePositiveInFloat(double value) {
 absl::Status CheckPositive(const char* field, double value) {
   if (FinitePositiveInFloat(value)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
-      "optimizer option %s must be finite and > 0 (also as a float32, from %g to %g), got %g",
-      field, std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max(), value));
+      "optimizer option %s (--%s) must be finite and > 0 (also as a float32, from %g to %g), got "
+      "%g",
+      field, field, std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::max(),
+      value));
 }
 
 absl::Status CheckNonNegative(const char* field, double value) {
   if (value == 0.0 || FinitePositiveInFloat(value)) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
-      "optimizer option %s must be finite and >= 0 (also as a float32), got %g", field, value));
+      "optimizer option %s (--%s) must be finite and >= 0 (also as a float32), got %g", field,
+      field, value));
 }
 
 // [0, 1), and below 1 also once rounded to float32 (0.99999999 is not).
 absl::Status CheckBeta(const char* field, double value) {
   if (value >= 0.0 && value < 1.0 && static_cast<float>(value) < 1.0f) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrFormat(
-      "optimizer option %s must be in [0, 1) (and below 1 as a float32, at most %.9g), got %.17g",
-      field, static_cast<double>(std::nextafter(1.0f, 0.0f)), value));
+      "optimizer option %s (--%s) must be in [0, 1) (and below 1 as a float32, at most %.9g), got "
+      "%.17g",
+      field, field, static_cast<double>(std::nextafter(1.0f, 0.0f)), value));
 }
 
 absl::Status ValidateSchedule(const LearningRateSchedule& s) {
@@ -233,11 +237,14 @@ absl::Status ValidateSchedule(const LearningRateSchedule& s) {
   }
   if (s.decay_steps <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "learning-rate schedule needs decay_steps > 0, got ", s.decay_steps));
+        "the ", s.kind == Kind::kCosine ? "cosine" : "exponential",
+        " learning-rate schedule (--learning_rate_schedule) needs decay_steps (--decay_steps) > 0, "
+        "got ",
+        s.decay_steps));
   }
   if (s.kind == Kind::kCosine && !(s.alpha >= 0.0 && s.alpha <= 1.0)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("cosine schedule alpha must be in [0, 1], got %g", s.alpha));
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "cosine schedule alpha (--cosine_alpha) must be in [0, 1], got %g", s.alpha));
   }
   if (s.kind == Kind::kExponential) return CheckPositive("decay_rate", s.decay_rate);
   return absl::OkStatus();
@@ -254,7 +261,7 @@ absl::Status Validate(const OptimizerOptions& o) {
     case OptimizerOptions::Kind::kSgd:
       if (o.momentum >= 0.0 && o.momentum <= 1.0) return absl::OkStatus();
       return absl::InvalidArgumentError(absl::StrFormat(
-          "optimizer option momentum must be in [0, 1], got %g", o.momentum));
+          "optimizer option momentum (--momentum) must be in [0, 1], got %g", o.momentum));
     case OptimizerOptions::Kind::kAdagrad:
       if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
       return CheckNonNegative("initial_accumulator_value", o.initial_accumulator_value);

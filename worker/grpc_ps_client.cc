@@ -286,6 +286,7 @@ class GrpcPsClient final : public PsClient {
   absl::Status WaitForVariables(absl::Duration timeout) override {
     const absl::Time deadline = absl::Now() + timeout;
     Backoff backoff(options_.retry);
+    absl::Status previous;  // what the attempt before this one found missing
     while (true) {
       absl::Status missing = absl::OkStatus();
       auto statuses = GetStatusOnce(deadline);
@@ -310,10 +311,15 @@ class GrpcPsClient final : public PsClient {
       if (missing.ok()) return absl::OkStatus();
       if (!IsRetryable(missing)) return missing;
       if (absl::Now() >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat(
-            "variables were not registered within ", absl::FormatDuration(timeout), ": ",
-            missing.message()));
+        // The last attempt ran into the deadline itself, on whichever shard
+        // came first; the one before says what was missing.
+        const absl::Status& why =
+            absl::IsDeadlineExceeded(missing) && !previous.ok() ? previous : missing;
+        return absl::DeadlineExceededError(absl::StrCat("variables were not registered within ",
+                                                        absl::FormatDuration(timeout), ": ",
+                                                        why.message()));
       }
+      previous = missing;
       absl::SleepFor(std::min(backoff.Next(), deadline - absl::Now()));
     }
   }
@@ -845,7 +851,8 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
   if (options.streams_per_shard < 1 || options.streams_per_shard > 64) {
     return absl::InvalidArgumentError(absl::StrCat("streams_per_shard (--ps_streams) is ",
                                                    options.streams_per_shard,
-                                                   "; expected 1 to 64"));
+                                                   "; expected 1 to 64 (--ps_streams=0 picks "
+                                                   "4 or 1 by the machine's cores)"));
   }
   if (options.rpc_timeout <= absl::ZeroDuration() ||
       options.rpc_timeout == absl::InfiniteDuration()) {

@@ -1171,6 +1171,20 @@ TEST_F(PsClusterTest, WaitForVariablesKeepsItsTimeoutAgainstASilentShard) {
   EXPECT_LT(took, absl::Seconds(10));
 }
 
+// A non-chief waiting for the variables names the shard it cannot reach,
+// not one that answered: the last attempt runs into the deadline on the
+// first shard, and used to be what the error reported.
+TEST_F(PsClusterTest, WaitForVariablesNamesTheShardItCannotReach) {
+  StartCluster(2);
+  addresses_[1] = "127.0.0.1:1";  // shard 1: nothing listens on port 1
+  // Small variables on each shard, none registered.
+  auto client = Client({{"a", {3}}, {"b", {3}}});
+  const absl::Status waited = client->WaitForVariables(absl::Milliseconds(1500));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_THAT(waited.message(), HasSubstr("ps shard 1 (127.0.0.1:1)"));
+  EXPECT_THAT(waited.message(), ::testing::Not(HasSubstr("ps shard 0")));
+}
+
 // A PushPull client that writes but never reads the answers: the shard's
 // answers wait in a short queue, then the shard stops reading, and HTTP/2
 // flow control stops the client's writes. Before, the shard went on reading

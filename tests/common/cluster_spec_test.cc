@@ -125,11 +125,19 @@ TEST(ClusterSpecTest, AcceptsIpv6AndUnixAddresses) {
 }
 
 TEST(ClusterSpecTest, RejectsMalformedJson) {
-  for (const char* json : {"{", R"({"cluster": )", "not json", R"({"a":})", "[1,2]",
-                           R"({"cluster":{"worker":["w:1"]})"}) {
+  for (const char* json :
+       {"{", R"({"cluster": )", R"({"a":})", R"({"cluster":{"worker":["w:1"]})"}) {
     EXPECT_THAT(TfConfigError(json), HasSubstr("TF_CONFIG is not valid JSON: ")) << json;
   }
   EXPECT_THAT(TfConfigError(""), HasSubstr("TF_CONFIG is empty"));
+  // Valid JSON, or not JSON at all, but not an object: said so, not with
+  // protobuf's "Root element must be a message".
+  EXPECT_THAT(TfConfigError("[1,2]"), HasSubstr("TF_CONFIG must be a JSON object, got a list"));
+  EXPECT_THAT(TfConfigError(" []"), HasSubstr("TF_CONFIG must be a JSON object, got a list"));
+  EXPECT_THAT(TfConfigError(R"("ps")"), HasSubstr("must be a JSON object, got a string"));
+  EXPECT_THAT(TfConfigError("not json"),
+              HasSubstr("TF_CONFIG must be a JSON object, got 'not json'; expected an object "
+                        "like {\"cluster\""));
 }
 
 TEST(ClusterSpecTest, RejectsWrongJsonTypesNamingTheKey) {
@@ -188,7 +196,7 @@ TEST(ClusterSpecTest, RejectsMissingPieces) {
 TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
   for (const char* bad :
        {"h:0", "h:65536", "h:abc", "h", "h:", ":80", "h:-1", "h: 80", "h :80", "::1:80", "[::1]",
-        "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x", "unix:", "h:123456"}) {
+        "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x", "unix:", "h:123456", "http://h:80"}) {
     const std::string json = std::string(R"({"cluster":{"worker":["ok:1",")") + bad +
                              R"("]},"task":{"type":"worker","index":0}})";
     const std::string error = TfConfigError(json);
@@ -197,6 +205,11 @@ TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
         << bad;
     EXPECT_THAT(error, HasSubstr("expected \"host:port\" with a port in 1..65535")) << bad;
   }
+}
+
+TEST(ClusterSpecTest, AUrlIsNotAnAddress) {
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["http://h0:2222"]},"task":{"type":"ps"}})"),
+              HasSubstr("is \"http://h0:2222\", which has a URL scheme (\"http://\")"));
 }
 
 TEST(ClusterSpecTest, RejectsDuplicateAddressesAndTwoChiefs) {

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -60,6 +61,17 @@ TEST_F(CgroupLimitTest, NoFilesOrGarbageMeanNoLimit) {
   EXPECT_EQ(internal::CgroupMemoryLimit("not a cgroup line\n", root_), 0);
   Write("a/memory.max", "lots\n");
   EXPECT_EQ(internal::CgroupMemoryLimit("0::/a\n", root_), 0);
+}
+
+// The peak is never below the resident size read just before it (the
+// kernel's high-water mark lags; a summary once said peak < current).
+TEST(ResidentBytesTest, PeakIsAtLeastTheCurrentSize) {
+  std::vector<char> touched(64 << 20, 1);
+  const int64_t now = ResidentBytes();
+  const int64_t peak = PeakResidentBytes();
+  EXPECT_GT(now, int64_t{64} << 20);
+  EXPECT_GE(peak, now);
+  EXPECT_EQ(touched[12345], 1);
 }
 
 TEST(MemoryLimitTest, IsPositiveAndAtMostTheMachine) {

@@ -435,7 +435,7 @@ TEST(OptimizerTest, RejectsBadOptions) {
       OptimizerOptions o;
       o.kind = k;
       o.learning_rate = lr;
-      ExpectInvalid(o, "learning_rate", "> 0");
+      ExpectInvalid(o, "learning_rate (--learning_rate)", "> 0");
     }
   }
   // 0.99999999 is below 1, but rounds to 1.0f: Adam's bias correction would
@@ -443,30 +443,30 @@ TEST(OptimizerTest, RejectsBadOptions) {
   for (double beta : {-0.1, 1.0, 1.5, nan, 0.99999999}) {
     OptimizerOptions o;
     o.beta_1 = beta;
-    ExpectInvalid(o, "beta_1", "[0, 1)");
+    ExpectInvalid(o, "beta_1 (--beta_1)", "[0, 1)");
     o = {};
     o.beta_2 = beta;
-    ExpectInvalid(o, "beta_2", "[0, 1)");
+    ExpectInvalid(o, "beta_2 (--beta_2)", "[0, 1)");
   }
   for (Kind k : {Kind::kAdam, Kind::kAdagrad}) {
     for (double eps : {0.0, -1e-7, nan, inf, 1e-50}) {
       OptimizerOptions o;
       o.kind = k;
       o.epsilon = eps;
-      ExpectInvalid(o, "epsilon", "> 0");
+      ExpectInvalid(o, "epsilon (--epsilon)", "> 0");
     }
   }
   for (double mu : {-0.5, 1.5, nan}) {
     OptimizerOptions o;
     o.kind = Kind::kSgd;
     o.momentum = mu;
-    ExpectInvalid(o, "momentum", "[0, 1]");
+    ExpectInvalid(o, "momentum (--momentum)", "[0, 1]");
   }
   for (double acc : {-0.1, nan, inf, 1e300}) {
     OptimizerOptions o;
     o.kind = Kind::kAdagrad;
     o.initial_accumulator_value = acc;
-    ExpectInvalid(o, "initial_accumulator_value", ">= 0");
+    ExpectInvalid(o, "initial_accumulator_value (--initial_accumulator_value)", ">= 0");
   }
 }
 
@@ -607,17 +607,17 @@ TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
 
   OptimizerOptions o;
   o.schedule.kind = LearningRateSchedule::Kind::kCosine;
-  ExpectInvalid(o, "decay_steps", "> 0");
+  ExpectInvalid(o, "decay_steps (--decay_steps)", "> 0");
   o.schedule.decay_steps = 100;
   o.schedule.alpha = 1.5;
-  ExpectInvalid(o, "alpha", "[0, 1]");
+  ExpectInvalid(o, "alpha (--cosine_alpha)", "[0, 1]");
   o.schedule.alpha = 0.0;
   EXPECT_EQ(MustCreate(o)->DebugString(),
             "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
             "schedule=cosine(decay_steps=100, alpha=0))");
   o.schedule.kind = LearningRateSchedule::Kind::kExponential;
   o.schedule.decay_rate = 0.0;
-  ExpectInvalid(o, "decay_rate", "> 0");
+  ExpectInvalid(o, "decay_rate (--decay_rate)", "> 0");
   o.schedule.decay_rate = 0.5;
   o.kind = Kind::kSgd;
   EXPECT_EQ(MustCreate(o)->DebugString(),
