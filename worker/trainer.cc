@@ -1,8 +1,11 @@
 #include "worker/trainer.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -98,6 +101,15 @@ struct Buffers {
   }
 };
 
+// Gradients that a push returned saying gRPC still holds them: kept,
+// reachable, for the life of the process (gRPC may still send from them).
+void KeepForever(std::unique_ptr<std::array<Buffers, 2>> grads) {
+  ABSL_CONST_INIT static absl::Mutex mu(absl::kConstInit);
+  static auto* kept = new std::vector<std::unique_ptr<std::array<Buffers, 2>>>();
+  absl::MutexLock lock(&mu);
+  kept->push_back(std::move(grads));
+}
+
 void AppendNumber(std::string* out, const char* key, double value, bool comma = true) {
   absl::StrAppendFormat(out, "\"%s\": %.6g%s", key, value, comma ? ", " : "");
 }
@@ -168,7 +180,18 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
 
   // Variables: the chief registers its initial values; the others wait.
   Buffers params[2] = {Buffers(model), Buffers(model)};
-  Buffers grads[2] = {Buffers(model), Buffers(model)};
+  // The gradients on the heap: if a push returns saying gRPC still holds
+  // part of one (GradientStillHeld), they are never freed.
+  auto grads_storage = std::make_unique<std::array<Buffers, 2>>(
+      std::array<Buffers, 2>{Buffers(model), Buffers(model)});
+  std::array<Buffers, 2>& grads = *grads_storage;
+  struct KeepIfStillHeld {
+    std::unique_ptr<std::array<Buffers, 2>>* storage;
+    std::atomic<bool> held{false};
+    ~KeepIfStillHeld() {
+      if (held) KeepForever(std::move(*storage));
+    }
+  } keep_grads{&grads_storage};
   if (options.is_chief) {
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
     std::vector<const float*> init_ptrs;
@@ -179,8 +202,11 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     if (options.progress != nullptr) {
       std::fprintf(options.progress,
                    "registered the model: %d parts created with this worker's initial values, "
-                   "%d kept as the ps shards hold them\n",
-                   registered.parts_created, registered.parts_kept);
+                   "%d kept as the ps shards hold them%s\n",
+                   registered.parts_created, registered.parts_kept,
+                   registered.retried ? " (a registration was retried: parts created by an "
+                                        "attempt whose reply was lost count as kept)"
+                                      : "");
       std::fflush(options.progress);
     }
   } else {
@@ -215,13 +241,20 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   auto communicate = [&](int g, int p, int64_t step) -> absl::Status {
     absl::Time t = absl::Now();
     if (options.fused_push_pull) {
-      PSFLOW_ASSIGN_OR_RETURN(PullResult r, client->PushPull(grads[g].cptrs, {step, read_version},
-                                                             params[p].ptrs));
+      absl::StatusOr<PullResult> r =
+          client->PushPull(grads[g].cptrs, {step, read_version}, params[p].ptrs);
+      if (!r.ok()) {
+        if (GradientStillHeld(r.status())) keep_grads.held = true;
+        return r.status();
+      }
       push_pull_s += Seconds(t);
-      read_version = r.max_version;
+      read_version = r->max_version;
       return absl::OkStatus();
     }
-    PSFLOW_RETURN_IF_ERROR(client->Push(grads[g].cptrs, {step, read_version}));
+    if (absl::Status pushed = client->Push(grads[g].cptrs, {step, read_version}); !pushed.ok()) {
+      if (GradientStillHeld(pushed)) keep_grads.held = true;
+      return pushed;
+    }
     push_s += Seconds(t);
     t = absl::Now();
     PSFLOW_ASSIGN_OR_RETURN(PullResult r, client->Pull(params[p].ptrs));

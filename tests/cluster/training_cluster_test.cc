@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
@@ -231,6 +232,79 @@ TEST(TrainerPinningTest, BigTensorsArePinnedForEveryStepAndUnpinnedAtTheEnd) {
     EXPECT_EQ(backend.unknown_unpins, 0);
     EXPECT_EQ(backend.still_pinned(), 0u);
   }
+}
+
+// A client that forwards to a real one, but whose third push says gRPC
+// still holds the gradient (as the gRPC client does when gRPC has not let
+// go of it a whole deadline after the calls ended).
+class StillHeldClient : public worker::PsClient {
+ public:
+  explicit StillHeldClient(std::unique_ptr<worker::PsClient> inner) : inner_(std::move(inner)) {}
+  const PartitionPlan& plan() const override { return inner_->plan(); }
+  absl::StatusOr<worker::RegisterResult> Register(
+      absl::Span<const float* const> initial_values) override {
+    return inner_->Register(initial_values);
+  }
+  absl::Status WaitForVariables(absl::Duration timeout) override {
+    return inner_->WaitForVariables(timeout);
+  }
+  absl::StatusOr<worker::PullResult> Pull(absl::Span<float* const> values) override {
+    return inner_->Pull(values);
+  }
+  absl::Status Push(absl::Span<const float* const> grads, const worker::PushInfo& info) override {
+    if (++pushes_ < 3) return inner_->Push(grads, info);
+    held = {grads.begin(), grads.end()};
+    absl::Status status = absl::InternalError("gRPC still holds part of the pushed gradient");
+    status.SetPayload(worker::kGradientStillHeldPayload, absl::Cord("1"));
+    return status;
+  }
+  absl::StatusOr<worker::PullResult> PushPull(absl::Span<const float* const> grads,
+                                              const worker::PushInfo& info,
+                                              absl::Span<float* const> values) override {
+    return absl::UnimplementedError("not in this test");
+  }
+  absl::StatusOr<std::vector<StatusResponse>> GetStatus() override { return inner_->GetStatus(); }
+  std::vector<const float*> held;
+
+ private:
+  std::unique_ptr<worker::PsClient> inner_;
+  int pushes_ = 0;
+};
+
+// The trainer keeps such a gradient: reading it after Train returned is no
+// use after free (AddressSanitizer, in CI's second pass, would say so).
+TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  auto server = server::PsServer::Start(ps);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  auto model = worker::ParseModel("flatten,dense:16:relu,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto backend = worker::CreateBackend("cpu", {});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {(*server)->client_address()};
+  auto inner = worker::CreateGrpcPsClient(model->variables, client_options);
+  ASSERT_TRUE(inner.ok()) << inner.status();
+  StillHeldClient client(std::move(*inner));
+  worker::TrainerOptions options;
+  options.batch_size = 32;
+  options.epochs = 1;
+  options.train_steps = 6;
+  options.seed = 3;
+  options.progress = nullptr;
+  options.fused_push_pull = false;
+  auto summary = worker::Train(*model, backend->get(), &client, train, test, options);
+  EXPECT_EQ(summary.status().code(), absl::StatusCode::kInternal);
+  EXPECT_TRUE(worker::GradientStillHeld(summary.status())) << summary.status();
+  ASSERT_EQ(client.held.size(), model->variables.size());
+  double sum = 0;
+  for (size_t v = 0; v < client.held.size(); ++v) {
+    for (int64_t i = 0; i < model->variables[v].num_elements(); ++i) sum += client.held[v][i];
+  }
+  EXPECT_TRUE(std::isfinite(sum));
 }
 
 // Data that cannot be trained on or evaluated is refused by every worker
