@@ -418,6 +418,8 @@ void DecodedMessage::CopyData(const DecodedSegment& s, void* out) const {
   }
 }
 
+size_t MaxSegments(size_t message_bytes) { return 1024 + message_bytes / 8; }
+
 absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces,
                     DecodedMessage* out) {
   out->Clear();
@@ -425,10 +427,19 @@ absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces
   const bool push = kind == MessageKind::kPushRequest;
   const char* message = push ? "PushRequest" : "PullResponse";
   const uint32_t segments_field = push ? 2 : 1;
+  size_t bytes = 0;
+  for (absl::string_view piece : pieces) bytes += piece.size();
+  const size_t most_segments = MaxSegments(bytes);
   return ForEachField(&c, [&](const FieldTag& tag) -> absl::Status {
     uint64_t v;
     if (tag.field == segments_field) {
       if (tag.type != kLen) return WrongType(message, "segments", tag, kLen);
+      if (out->num_segments == most_segments) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            message, " has more than ", most_segments, " segments in its ", bytes,
+            " bytes; a segment that carries data takes at least 8, so most of these carry none "
+            "(each would cost the receiver about 64 bytes to decode)"));
+      }
       if (absl::Status s = c.ReadLength(&v, "segment"); !s.ok()) return s;
       if (out->num_segments == out->segments.size()) out->segments.emplace_back();
       DecodedSegment* seg = &out->segments[out->num_segments++];

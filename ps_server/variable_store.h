@@ -121,6 +121,11 @@ struct PushHeaderInfo {
 
 class VariableStore {
  public:
+  // What a part costs beside its elements, counted against
+  // max_variable_bytes: its record (definition, name, lock stripes), its
+  // entry in the table and the allocations of its buffers. A little more
+  // than the 850 bytes measured per one-element part with Adam.
+  static constexpr int64_t kPartBytes = 1024;
   // Elements per lock stripe of a part (256 KiB of parameters): a 1 MiB push
   // message covers 4-5 stripes, the seed model's big kernel 43.
   static constexpr int64_t kLockStripeElements = int64_t{1} << 16;

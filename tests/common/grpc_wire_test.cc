@@ -200,6 +200,30 @@ TEST(GrpcWireTest, MalformedInputIsInvalidArgument) {
   }
 }
 
+// Empty segments cost the decoder about 64 bytes each and the sender 2: a
+// message of more than MaxSegments of them is refused, while one whose
+// segments all carry data never reaches the bound.
+TEST(GrpcWireTest, FloodsOfEmptySegmentsAreRefused) {
+  std::string empty_segments = std::string("\x0a\x00", 2);  // an empty header
+  for (int i = 0; i < 200000; ++i) empty_segments += std::string("\x12\x00", 2);
+  DecodedMessage out;
+  const std::vector<absl::string_view> pieces = {empty_segments};
+  const absl::Status s = Decode(MessageKind::kPushRequest, pieces, &out);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  const std::string want =
+      "more than " + std::to_string(MaxSegments(400002)) + " segments in its 400002 bytes";
+  EXPECT_NE(s.message().find(want), absl::string_view::npos) << s;
+  EXPECT_LE(out.segments.size(), MaxSegments(400002));
+
+  // The smallest segments that carry data (one float, no name): 8 bytes.
+  std::string smallest = std::string("\x0a\x00", 2);
+  const std::string one = std::string("\x12\x06\x1a\x04", 4) + Floats(1, 1.0f);
+  for (int i = 0; i < 200000; ++i) smallest += one;
+  const std::vector<absl::string_view> data_pieces = {smallest};
+  ASSERT_TRUE(Decode(MessageKind::kPushRequest, data_pieces, &out).ok());
+  EXPECT_EQ(out.num_segments, 200000u);
+}
+
 TEST(GrpcWireTest, DeeplyNestedGroupsAreRefusedNotRecursedForever) {
   std::string bytes;
   for (int i = 0; i < 200; ++i) bytes += "\x2b";  // start group 5, never closed

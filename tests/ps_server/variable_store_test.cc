@@ -145,17 +145,20 @@ TEST(VariableStoreTest, BadDefinitionsAreInvalidArgument) {
 
 // A registration that needs more memory than the shard may hold is refused
 // before anything is allocated, naming the part and the bytes.
+// Each part also counts VariableStore::kPartBytes (1024).
+constexpr int64_t kLimit = 12 * 100 + 2 * VariableStore::kPartBytes;  // 3248
+
 TEST(VariableStoreTest, RegistrationBeyondTheMemoryLimitIsResourceExhausted) {
   VariableStoreOptions options;  // Adam: 12 bytes per element with its two slots
-  options.max_variable_bytes = 12 * 100;
+  options.max_variable_bytes = kLimit;
   auto store = VariableStore::Create(options);
   ASSERT_TRUE(store.ok()) << store.status();
   RegisterFilled(store->get(), Def("w", {60}, 0, 60), 1.0f);
   auto over = (*store)->BeginRegistration(7, 1, 0, {Def("b", {41}, 0, 41)});
   ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(over.status().message(), HasSubstr("b [41]"));
-  EXPECT_THAT(over.status().message(), HasSubstr("needs 492 bytes"));
-  EXPECT_THAT(over.status().message(), HasSubstr("holds 720 and may hold at most 1200"));
+  EXPECT_THAT(over.status().message(), HasSubstr("needs 1516 bytes"));  // 41 * 12 + 1024
+  EXPECT_THAT(over.status().message(), HasSubstr("holds 1744 and may hold at most 3248"));
   ASSERT_EQ((*store)->ListParts().size(), 1u);
   // What is already held counts once: re-registering it is fine, and so is
   // a new part that just fits.
@@ -169,6 +172,23 @@ TEST(VariableStoreTest, RegistrationBeyondTheMemoryLimitIsResourceExhausted) {
             absl::StatusCode::kResourceExhausted);
 }
 
+// Tiny parts count what each part costs beside its elements: 450,000
+// one-element parts took 850 bytes each, where 12 were counted, so the
+// limit could be passed 70 times over.
+TEST(VariableStoreTest, ManyTinyPartsCountTheirOwnCost) {
+  VariableStoreOptions options;  // Adam
+  options.max_variable_bytes = 100 * (12 + VariableStore::kPartBytes);
+  auto store = VariableStore::Create(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::vector<PartDefinition> defs;
+  for (int i = 0; i < 101; ++i) defs.push_back(Def(absl::StrCat("v", i), {1}, 0, 1));
+  auto over = (*store)->BeginRegistration(7, 1, 0, defs);
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(over.status().message(), HasSubstr("1024 per part"));
+  defs.pop_back();
+  EXPECT_TRUE((*store)->BeginRegistration(7, 1, 0, defs).ok());
+}
+
 // Registrations open at the same moment reserve their bytes, so that
 // together they cannot exceed the limit (each allocates and fills its parts
 // before it commits). One that would fit but for the others is UNAVAILABLE,
@@ -176,7 +196,7 @@ TEST(VariableStoreTest, RegistrationBeyondTheMemoryLimitIsResourceExhausted) {
 // then finds its parts registered and keeps them.
 TEST(VariableStoreTest, RegistrationsInProgressReserveTheirBytes) {
   VariableStoreOptions options;  // Adam: 12 bytes per element
-  options.max_variable_bytes = 12 * 100;
+  options.max_variable_bytes = kLimit;
   auto created = VariableStore::Create(options);
   ASSERT_TRUE(created.ok()) << created.status();
   VariableStore* store = created->get();
@@ -186,7 +206,7 @@ TEST(VariableStoreTest, RegistrationsInProgressReserveTheirBytes) {
   ASSERT_TRUE(x.ok()) << x.status();
   auto y = store->BeginRegistration(7, 1, 0, {Def("y", {90}, 0, 90)});
   ASSERT_EQ(y.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(y.status().message(), HasSubstr("1080 bytes of it reserved"));
+  EXPECT_THAT(y.status().message(), HasSubstr("2104 bytes of it reserved"));  // 90 * 12 + 1024
   x->reset();  // x gives up: its reservation goes with it
   y = store->BeginRegistration(7, 1, 0, {Def("y", {90}, 0, 90)});
   ASSERT_TRUE(y.ok()) << y.status();
@@ -218,7 +238,7 @@ TEST(VariableStoreTest, RegistrationsInProgressReserveTheirBytes) {
 // retry). Only UNAVAILABLE (retried) or success may come back.
 TEST(VariableStoreTest, ConcurrentRegistrationsOfOneModelNeverExhaustTheLimit) {
   VariableStoreOptions options;  // Adam: 12 bytes per element
-  options.max_variable_bytes = 12 * 100;
+  options.max_variable_bytes = kLimit;
   std::vector<float> zeros(60, 0.0f);
   constexpr int kThreads = 3;
   for (int round = 0; round < 400; ++round) {
