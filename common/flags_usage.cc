@@ -1,9 +1,12 @@
 #include "common/flags_usage.h"
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
@@ -18,6 +21,76 @@ void SetUsage(const char* usage, const char* main_file) {
   config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, *file); };
   config.contains_helpshort_flags = config.contains_help_flags;
   absl::SetFlagsUsageConfig(config);
+}
+
+namespace {
+
+// Edit distance (insertions, deletions, substitutions) between two names.
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+bool IsBool(const absl::CommandLineFlag* flag) { return flag->IsOfType<bool>(); }
+
+// Flags that absl::ParseCommandLine handles itself (defined where it is
+// linked in).
+bool IsAbseilFlag(absl::string_view name) {
+  for (const char* f :
+       {"help", "helpfull", "helpshort", "helppackage", "helpon", "helpmatch", "version",
+        "only_check_args", "flagfile", "fromenv", "tryfromenv", "undefok"}) {
+    if (name == f) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;  // a positional argument
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    const size_t eq = arg.find('=');
+    const absl::string_view name = arg.substr(0, eq);
+    if (IsAbseilFlag(name)) continue;
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr && absl::StartsWith(name, "no")) {
+      const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
+      if (negated != nullptr && IsBool(negated) && eq == absl::string_view::npos) continue;
+    }
+    if (flag != nullptr) {
+      if (eq == absl::string_view::npos && !IsBool(flag)) ++i;  // "--name value"
+      continue;
+    }
+    // The closest defined flag, if it is close at all.
+    std::string closest;
+    size_t best = std::max<size_t>(2, name.size() / 3) + 1;
+    for (const auto& [candidate, unused] : absl::GetAllFlags()) {
+      const size_t d = EditDistance(name, candidate);
+      if (d < best || (d == best && !closest.empty() && candidate < closest)) {
+        if (d < best) best = d;
+        closest = std::string(candidate);
+      }
+    }
+    return absl::StrCat("unknown flag --", name,
+                        closest.empty() ? "" : absl::StrCat("; did you mean --", closest, "?"),
+                        " (", program,
+                        " --help lists every flag; a cluster is described by "
+                        "TF_CONFIG or by flags)");
+  }
+  return "";
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseNameValues(

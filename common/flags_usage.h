@@ -16,6 +16,14 @@ namespace psflow {
 // "ps_server/main.cc". Call before absl::ParseCommandLine.
 void SetUsage(const char* usage, const char* main_file);
 
+// Why the command line names a flag this binary does not define, or "" if
+// it names none: "unknown flag --optimiser; did you mean --optimizer? (...)".
+// Abseil's own message names neither the binary nor a likely flag. Looks
+// at "--name", "-name", "--name=value" and "--noname" (a bool's negation),
+// skips the value after a non-bool "--name value", and stops at "--". Call
+// before absl::ParseCommandLine, and exit 1 with the message.
+std::string UnknownFlagProblem(int argc, char** argv, const char* program);
+
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';
 // INVALID_ARGUMENT naming the flag and the item when one has no '=' or no
 // name.

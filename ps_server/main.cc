@@ -238,6 +238,11 @@ int main(int argc, char** argv) {
       "  ps_server --port=2222 --shard_index=0 --num_shards=2 [--optimizer=adam ...]\n"
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"ps\").",
       "ps_server/main.cc");
+  if (const std::string unknown = psflow::UnknownFlagProblem(argc, argv, "ps_server");
+      !unknown.empty()) {
+    std::fprintf(stderr, "ps_server: %s\n", unknown.c_str());
+    return 1;
+  }
   absl::ParseCommandLine(argc, argv);
   psflow::TuneAllocatorForLargeMessages();
   // A request whose names are not UTF-8 makes protobuf log a line; a client

@@ -97,6 +97,11 @@ int main(int argc, char** argv) {
       "  worker --ps_hosts=h:2222,h:2223 --worker_hosts=h:2230,h:2231 --task_index=0\n"
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
       "worker/main.cc");
+  if (const std::string unknown = psflow::UnknownFlagProblem(argc, argv, "worker");
+      !unknown.empty()) {
+    std::fprintf(stderr, "worker: %s\n", unknown.c_str());
+    return 1;
+  }
   absl::ParseCommandLine(argc, argv);
   psflow::TuneAllocatorForLargeMessages();
   // Debian's Abseil is built with Mutex deadlock detection on, which keeps a

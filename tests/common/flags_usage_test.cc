@@ -1,9 +1,18 @@
 // ParseNameValues: the name=value lists of --grpc_arg (ps_server, worker)
-// and --client_grpc_arg (push_pull_bench).
+// and --client_grpc_arg (push_pull_bench). UnknownFlagProblem: the message
+// for a mistyped or foreign flag.
 #include "common/flags_usage.h"
 
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+
+ABSL_FLAG(std::string, optimizer, "adam", "for the test");
+ABSL_FLAG(bool, fused_push_pull, false, "for the test");
+ABSL_FLAG(double, learning_rate, 0.1, "for the test");
 
 namespace psflow {
 namespace {
@@ -26,6 +35,38 @@ TEST(ParseNameValuesTest, AnItemWithoutNameOrEqualsIsRefused) {
     EXPECT_THAT(got.status().message(), ::testing::HasSubstr("--grpc_arg"));
     EXPECT_THAT(got.status().message(), ::testing::HasSubstr(bad));
   }
+}
+
+std::string Problem(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return UnknownFlagProblem(static_cast<int>(argv.size()), argv.data(), "prog");
+}
+
+TEST(UnknownFlagProblemTest, NamesTheFlagAndTheClosestOne) {
+  EXPECT_EQ(Problem({"--optimiser=adam"}),
+            "unknown flag --optimiser; did you mean --optimizer? (prog --help lists every flag; "
+            "a cluster is described by TF_CONFIG or by flags)");
+  EXPECT_THAT(Problem({"-learning_rat", "0.1"}),
+              ::testing::HasSubstr("unknown flag --learning_rat; did you mean --learning_rate?"));
+  // TensorFlow 1's flags: nothing close, no guess.
+  EXPECT_THAT(Problem({"--optimizer=sgd", "--job_name=ps"}),
+              ::testing::StartsWith("unknown flag --job_name (prog --help"));
+}
+
+TEST(UnknownFlagProblemTest, AcceptsEveryFormAbseilParses) {
+  EXPECT_EQ(Problem({}), "");
+  EXPECT_EQ(Problem({"--optimizer=sgd", "-learning_rate=0.5", "--fused_push_pull"}), "");
+  EXPECT_EQ(Problem({"--nofused_push_pull", "--fused_push_pull=false"}), "");
+  // The value of a non-bool flag given as the next argument, even if it
+  // starts with '-'; and nothing after "--".
+  EXPECT_EQ(Problem({"--learning_rate", "-1", "--optimizer", "--sgd"}), "");
+  EXPECT_EQ(Problem({"--", "--not_a_flag"}), "");
+  EXPECT_EQ(Problem({"positional", "-"}), "");
+  EXPECT_EQ(Problem({"--help"}), "");
+  // A negation of a flag that is not a bool is not one.
+  EXPECT_THAT(Problem({"--nooptimizer"}), ::testing::HasSubstr("unknown flag --nooptimizer"));
 }
 
 }  // namespace
