@@ -841,6 +841,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
     quota.SetMaxThreads(std::max(options.threads, 2));
     builder.SetResourceQuota(quota);
   }
+  if (options.interceptors) builder.experimental().SetInterceptorCreators(options.interceptors());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {
     return absl::UnavailableError(

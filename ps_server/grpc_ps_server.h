@@ -5,6 +5,7 @@
 #define PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -17,6 +18,9 @@
 
 namespace grpc {
 class Server;
+namespace experimental {
+class ServerInterceptorFactoryInterface;
+}  // namespace experimental
 }  // namespace grpc
 
 namespace psflow::server {
@@ -52,6 +56,11 @@ struct PsServerOptions {
   // and the like), for tuning experiments; a value that parses as an
   // integer is passed as one, else as a string.
   GrpcArgs grpc_args;
+  // gRPC server interceptors, made afresh by each Start (where token checks
+  // and metrics will attach; tests use one to lose a reply).
+  std::function<
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>()>
+      interceptors;
 };
 
 // Thread-safe.

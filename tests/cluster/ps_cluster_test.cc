@@ -9,17 +9,20 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
-#include "gmock/gmock.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
@@ -79,6 +82,7 @@ class PsClusterTest : public ::testing::Test {
                     int64_t server_max_chunk = 4 << 20) {
     for (int s = 0; s < num_shards; ++s) {
       PsServerOptions options;
+      options.interceptors = interceptors_;
       options.address = "127.0.0.1:0";
       options.store.shard_index = s;
       options.store.num_shards = num_shards;
@@ -152,6 +156,9 @@ class PsClusterTest : public ::testing::Test {
 
   std::vector<std::unique_ptr<PsServer>> servers_;
   std::vector<std::string> addresses_;
+  std::function<
+      std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>()>
+      interceptors_;
 };
 
 TEST_F(PsClusterTest, SeedModelRoundTripIsBitIdentical) {
@@ -1058,6 +1065,81 @@ TEST_F(PsClusterTest, PushIsNotRetriedPastTheShardsRequestIdRetention) {
   options.request_id_retention = absl::Seconds(-1);
   EXPECT_THAT(CreateGrpcPsClient({{"w", {3}}}, options).status().message(),
               HasSubstr("request_id_retention"));
+}
+
+// Replaces the OK status of the first `lose` calls of `method` with
+// UNAVAILABLE once their handler has run: the shard applied the push, and
+// its reply was lost on the way.
+class LoseReplies : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  LoseReplies(std::string method, std::shared_ptr<std::atomic<int>> lose)
+      : method_(std::move(method)), lose_(std::move(lose)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (method_ != info->method()) return nullptr;
+    return new Lose(lose_);
+  }
+
+ private:
+  class Lose : public grpc::experimental::Interceptor {
+   public:
+    explicit Lose(std::shared_ptr<std::atomic<int>> lose) : lose_(std::move(lose)) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+      if (methods->QueryInterceptionHookPoint(
+              grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS) &&
+          lose_->fetch_sub(1) > 0) {
+        methods->ModifySendStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply lost"));
+      }
+      methods->Proceed();
+    }
+
+   private:
+    std::shared_ptr<std::atomic<int>> lose_;
+  };
+  const std::string method_;
+  std::shared_ptr<std::atomic<int>> lose_;
+};
+
+// The client's own retry, end to end: a push (or PushPull) whose reply was
+// lost after the shard applied it is retried by the client with the same
+// request id, and applied once. Over one connection per shard and over
+// several, where each connection's call is retried.
+TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
+  for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/PushPull"}) {
+    for (int streams : {1, 3}) {
+      SCOPED_TRACE(absl::StrCat(method, ", ", streams, " connections per shard"));
+      servers_.clear();
+      addresses_.clear();
+      auto lose = std::make_shared<std::atomic<int>>(0);
+      interceptors_ = [&] {
+        std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+        v.push_back(std::make_unique<LoseReplies>(method, lose));
+        return v;
+      };
+      StartCluster(2, SgdLr1());
+      // Large enough to be split over both shards and over the connections.
+      const std::vector<VariableSpec> vars = {{"big", {300, 1000}}, {"b", {10}}};
+      auto client = Client(vars, /*chunk=*/64 << 10, /*min_split=*/256 * 1024, 0, streams);
+      Tensors init = Make(vars, 0.0f);
+      ASSERT_TRUE(client->Register(init.cptrs()).ok());
+      Tensors grad = Make(vars, 1.0f), got = Make(vars, -99.0f);
+      *lose = 1;  // the first call to end loses its reply
+      if (absl::EndsWith(method, "/Push")) {
+        const absl::Status pushed = client->Push(grad.cptrs(), {1, 0});
+        ASSERT_TRUE(pushed.ok()) << pushed;
+      } else {
+        auto pushed = client->PushPull(grad.cptrs(), {1, 0}, got.ptrs());
+        ASSERT_TRUE(pushed.ok()) << pushed.status();
+        EXPECT_THAT(got.data[0], ::testing::Each(-1.0f));
+      }
+      EXPECT_LE(lose->load(), 0) << "no reply was lost: nothing was retried";
+      ASSERT_TRUE(client->Pull(got.ptrs()).ok());
+      for (const auto& values : got.data) EXPECT_THAT(values, ::testing::Each(-1.0f));
+      int64_t skipped = 0;
+      for (auto& server : servers_) skipped += server->store().stats().duplicate_elements;
+      EXPECT_GT(skipped, 0) << "the retry re-sent what was applied, and the shard skipped it";
+    }
+  }
 }
 
 // Options and tensors the client cannot use are refused before any call,
