@@ -11,6 +11,7 @@
 #include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace psflow {
 
@@ -57,6 +58,22 @@ bool IsAbseilFlag(absl::string_view name) {
 }  // namespace
 
 std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
+  // Names that --undefok=a,b lets Abseil ignore (a launcher may pass one
+  // set of flags to every binary).
+  std::vector<std::string> undefok;
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (!absl::ConsumePrefix(&arg, "--")) absl::ConsumePrefix(&arg, "-");
+    if (arg == "undefok" && i + 1 < argc) {
+      arg = argv[++i];
+    } else if (!absl::ConsumePrefix(&arg, "undefok=")) {
+      continue;
+    }
+    for (absl::string_view name : absl::StrSplit(arg, ',', absl::SkipEmpty())) {
+      undefok.emplace_back(name);
+    }
+  }
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--") break;
@@ -64,7 +81,15 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
     arg.remove_prefix(arg[1] == '-' ? 2 : 1);
     const size_t eq = arg.find('=');
     const absl::string_view name = arg.substr(0, eq);
-    if (IsAbseilFlag(name)) continue;
+    if (IsAbseilFlag(name)) {
+      if (name == "undefok" && eq == absl::string_view::npos) ++i;  // its value
+      continue;
+    }
+    if (std::find(undefok.begin(), undefok.end(), name) != undefok.end() ||
+        (absl::StartsWith(name, "no") &&
+         std::find(undefok.begin(), undefok.end(), name.substr(2)) != undefok.end())) {
+      continue;  // Abseil ignores it (and its value, given as --name=value)
+    }
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr && absl::StartsWith(name, "no")) {
       const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));

@@ -20,7 +20,8 @@ void SetUsage(const char* usage, const char* main_file);
 // it names none: "unknown flag --optimiser; did you mean --optimizer? (...)".
 // Abseil's own message names neither the binary nor a likely flag. Looks
 // at "--name", "-name", "--name=value" and "--noname" (a bool's negation),
-// skips the value after a non-bool "--name value", and stops at "--". Call
+// skips the value after a non-bool "--name value", lets through the names
+// that --undefok lists (as Abseil ignores them), and stops at "--". Call
 // before absl::ParseCommandLine, and exit 1 with the message.
 std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 

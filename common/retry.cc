@@ -1,6 +1,7 @@
 #include "common/retry.h"
 
 #include <algorithm>
+#include <chrono>
 
 #include "absl/strings/str_cat.h"
 
@@ -28,7 +29,8 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
   const int deadline_attempts = std::max(1, options.max_deadline_attempts);
   int made = 0, timed_out = 0;
   bool past_window = false;
-  const absl::Time first = absl::Now();
+  // A clock that no time adjustment moves.
+  const auto first = std::chrono::steady_clock::now();
   for (int i = 1; i <= attempts; ++i) {
     status = attempt();
     made = i;
@@ -36,7 +38,7 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
     if (absl::IsDeadlineExceeded(status) && ++timed_out >= deadline_attempts) break;
     if (i == attempts) break;
     const absl::Duration wait = backoff.Next();
-    if (absl::Now() + wait - first > options.retry_window) {
+    if (absl::FromChrono(std::chrono::steady_clock::now() - first) + wait > options.retry_window) {
       past_window = true;
       break;
     }

@@ -133,9 +133,10 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   }
   options.store.request_id_retention = absl::Seconds(retention_s);
   options.store.request_ledger_bytes = absl::GetFlag(FLAGS_request_ledger_bytes);
-  if (options.store.request_ledger_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--request_ledger_bytes is ", options.store.request_ledger_bytes, "; expected at least 1"));
+  if (options.store.request_ledger_bytes < psflow::server::kMinRequestLedgerBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--request_ledger_bytes is ", options.store.request_ledger_bytes,
+                     "; expected at least ", psflow::server::kMinRequestLedgerBytes));
   }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);

@@ -220,9 +220,12 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
         absl::StrCat("request_id_retention is ", absl::FormatDuration(options.request_id_retention),
                      "; expected 0 or more"));
   }
-  if (options.request_ledger_bytes < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "request_ledger_bytes is ", options.request_ledger_bytes, "; expected at least 1"));
+  if (options.request_ledger_bytes < kMinRequestLedgerBytes) {
+    // One id may take a quarter: below this, a push's first record (the id,
+    // a part's progress, a range) would not fit, and every push would fail.
+    return absl::InvalidArgumentError(absl::StrCat("request_ledger_bytes is ",
+                                                   options.request_ledger_bytes,
+                                                   "; expected at least ", kMinRequestLedgerBytes));
   }
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                           Optimizer::Create(options.optimizer));
@@ -497,7 +500,7 @@ absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
 // ---- Push ----
 
 std::shared_ptr<VariableStore::LedgerEntry> VariableStore::LedgerFor(uint64_t request_id) {
-  const absl::Time now = absl::Now();
+  const auto now = std::chrono::steady_clock::now();
   if (request_id == 0) {  // no retry protection asked: a record of its own, never counted
     auto entry = std::make_shared<LedgerEntry>(now);
     absl::MutexLock entry_lock(&entry->mu);
@@ -528,27 +531,29 @@ void VariableStore::TrimLedger() {
   int64_t forgotten_early = 0;
   {
     absl::MutexLock lock(&ledger_mu_);
-    forgotten_early = TrimLedgerLocked(absl::Now());
+    forgotten_early = TrimLedgerLocked(std::chrono::steady_clock::now());
   }
   ReportForgottenEarly(forgotten_early);
 }
 
-int64_t VariableStore::TrimLedgerLocked(absl::Time now) {
+int64_t VariableStore::TrimLedgerLocked(std::chrono::steady_clock::time_point now) {
   // Forget the ids past their retention, oldest first, and beyond the byte
   // bound the oldest ones early. Never an id whose sessions are still
   // applying (a retry of it, or a late stream of the same push, would find
-  // no record and apply twice): it goes to the back of the queue and is
-  // looked at again later. Each id is looked at once at most, and the
-  // newest is always kept.
+  // no record and apply twice): it is passed over and stays where it is in
+  // the queue. Each id is looked at once at most, and the newest is always
+  // kept.
   int64_t forgotten_early = 0;
+  absl::InlinedVector<uint64_t, 4> in_use;  // passed over, oldest first
   for (size_t older = ledger_order_.size() - 1; older > 0 && !ledger_order_.empty(); --older) {
     auto old = ledger_.find(ledger_order_.front());
-    const bool expired = now - old->second->created >= options_.request_id_retention;
+    const bool expired =
+        absl::FromChrono(now - old->second->created) >= options_.request_id_retention;
     const bool too_big = ledger_bytes_.load() > options_.request_ledger_bytes;
     if (!expired && !too_big) break;
     ledger_order_.pop_front();
     if (old->second.use_count() > 1) {
-      ledger_order_.push_back(old->first);
+      in_use.push_back(old->first);
       continue;
     }
     if (!expired) ++forgotten_early;
@@ -559,6 +564,7 @@ int64_t VariableStore::TrimLedgerLocked(absl::Time now) {
     }
     ledger_.erase(old);
   }
+  for (auto it = in_use.rbegin(); it != in_use.rend(); ++it) ledger_order_.push_front(*it);
   return forgotten_early;
 }
 

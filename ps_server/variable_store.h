@@ -11,6 +11,7 @@
 #define PSFLOW_PS_SERVER_VARIABLE_STORE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -32,6 +33,9 @@
 
 namespace psflow::server {
 
+// The least VariableStoreOptions::request_ledger_bytes.
+inline constexpr int64_t kMinRequestLedgerBytes = 64 << 10;
+
 struct VariableStoreOptions {
   int shard_index = 0;
   int num_shards = 1;
@@ -52,7 +56,7 @@ struct VariableStoreOptions {
   // whose reply was lost while its client waits out the deadline. An id
   // whose sessions are still applying is never forgotten.
   absl::Duration request_id_retention = absl::Minutes(15);
-  int64_t request_ledger_bytes = 32 << 20;
+  int64_t request_ledger_bytes = 32 << 20;  // at least kMinRequestLedgerBytes
   // The most bytes of parameters and optimizer slots this shard holds. A
   // registration whose new parts would take it beyond that is refused with
   // RESOURCE_EXHAUSTED before anything is allocated (a malformed or mistaken
@@ -169,7 +173,7 @@ class VariableStore {
   // request id), so a part's segments can come in any order and in parallel;
   // the entry's lock is not held while the optimizer runs.
   struct LedgerEntry {
-    explicit LedgerEntry(absl::Time first_seen) : created(first_seen) {}
+    explicit LedgerEntry(std::chrono::steady_clock::time_point first_seen) : created(first_seen) {}
     struct Progress {
       int64_t step = 0;
       RangeMap done;     // adjacent ones merged
@@ -186,7 +190,8 @@ class VariableStore {
     std::vector<uint64_t> complete ABSL_GUARDED_BY(mu);
     int64_t bytes ABSL_GUARDED_BY(mu) = 0;     // about what the above and the id take
     bool evicted ABSL_GUARDED_BY(mu) = false;  // no longer counted in ledger_bytes_
-    const absl::Time created;                  // the id's first call
+    // The id's first call, on a clock that no time adjustment moves.
+    const std::chrono::steady_clock::time_point created;
   };
 
  public:
@@ -301,7 +306,8 @@ class VariableStore {
   std::shared_ptr<LedgerEntry> LedgerFor(uint64_t request_id);
   // Forgets the ids past their retention and, beyond request_ledger_bytes,
   // the oldest ones early (none still in use); returns how many went early.
-  int64_t TrimLedgerLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(ledger_mu_);
+  int64_t TrimLedgerLocked(std::chrono::steady_clock::time_point now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(ledger_mu_);
   // The same, for a record that grew (a push that left gaps): without it an
   // old id could grow after the newer ones came, and many of them beyond
   // the bound.

@@ -32,9 +32,12 @@ struct GrpcPsClientOptions {
   // --request_id_retention_s). A push is retried only while that is sure to
   // hold: no retry starts later than request_id_retention less rpc_timeout
   // after the push began (the retry's messages reach the shard within its
-  // deadline), so no retried push is applied twice. With the defaults (15
-  // minutes, 60 s) this never cuts the retries short: ten attempts of a
-  // whole deadline each, with their backoff, take about 10.5 minutes.
+  // deadline), so no retried push is applied twice, as long as the shard
+  // keeps ids that long (it forgets them early, and says so, only beyond
+  // its --request_ledger_bytes: at the defaults, past about 160 pushes a
+  // second). With the defaults (15 minutes, 60 s) this never cuts the
+  // retries short: ten attempts of a whole deadline each, with their
+  // backoff, take about 10.5 minutes.
   absl::Duration request_id_retention = absl::Minutes(15);
   bool check_finite = true;  // refuse to push NaN/Inf (before anything is sent)
   // Connections per shard that a Push or PushPull is split over: each

@@ -65,6 +65,11 @@ TEST(UnknownFlagProblemTest, AcceptsEveryFormAbseilParses) {
   EXPECT_EQ(Problem({"--", "--not_a_flag"}), "");
   EXPECT_EQ(Problem({"positional", "-"}), "");
   EXPECT_EQ(Problem({"--help"}), "");
+  // What --undefok lists, Abseil ignores: so do we (in either form).
+  EXPECT_EQ(Problem({"--undefok=job_name,verbose", "--job_name=ps", "--noverbose"}), "");
+  EXPECT_EQ(Problem({"--job_name=ps", "--undefok", "job_name"}), "");
+  EXPECT_THAT(Problem({"--undefok=job_name", "--task_index=0"}),
+              ::testing::HasSubstr("unknown flag --task_index"));
   // A negation of a flag that is not a bool is not one.
   EXPECT_THAT(Problem({"--nooptimizer"}), ::testing::HasSubstr("unknown flag --nooptimizer"));
 }

@@ -612,6 +612,30 @@ TEST(VariableStoreTest, LedgerStaysNearItsByteBound) {
   EXPECT_EQ(ReadAll(store.get(), "w", 1)[0], -float{kPushes + 1});
 }
 
+// An id passed over because its push was still applying keeps its place
+// as the oldest: once idle, it is the first forgotten, not the newer ones.
+TEST(VariableStoreTest, AnIdPassedOverWhileInUseIsStillTheOldest) {
+  auto store = SgdStore(0, 1, absl::Minutes(15), /*ledger_bytes=*/64 << 10);
+  RegisterFilled(store.get(), Def("w", {2}, 0, 2), 0.0f);
+  const float g[2] = {1, 1};
+  auto open = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(open->Apply("w", 0, g, 2).ok());
+  // About 280 ids fit the bound: the older ones go, never id 1.
+  for (uint64_t id = 2; id <= 400; ++id) {
+    auto p = store->BeginPush({0, 0, 0, id});
+    ASSERT_TRUE(p->Apply("w", 0, g, 2).ok());
+  }
+  open.reset();
+  auto next = store->BeginPush({0, 0, 0, 401});  // id 1 goes now
+  next.reset();
+  auto again1 = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(again1->Apply("w", 0, g, 2).ok());
+  EXPECT_EQ(again1->elements_applied(), 2);
+  auto again400 = store->BeginPush({0, 0, 0, 400});
+  ASSERT_TRUE(again400->Apply("w", 0, g, 2).ok());
+  EXPECT_EQ(again400->elements_skipped(), 2);
+}
+
 // The bound holds when old records grow, not only when new ids come: ids
 // created cheaply and then retried with sparse segments each grow a record
 // of their own, and the shard forgets others to stay near the bound.
@@ -850,6 +874,9 @@ TEST(VariableStoreTest, CreateValidatesOptions) {
   const absl::Status no_ledger = VariableStore::Create(options).status();
   EXPECT_EQ(no_ledger.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(no_ledger.message(), HasSubstr("request_ledger_bytes"));
+  options.request_ledger_bytes = 1000;  // every push's first record would be refused
+  EXPECT_THAT(VariableStore::Create(options).status().message(),
+              HasSubstr("request_ledger_bytes is 1000; expected at least 65536"));
   options.request_ledger_bytes = 1 << 20;
   options.request_id_retention = absl::Seconds(-1);
   const absl::Status negative = VariableStore::Create(options).status();
