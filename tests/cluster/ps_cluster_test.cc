@@ -1024,14 +1024,18 @@ TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {
   EXPECT_TRUE(status.ok()) << status;
 }
 
-TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
-  addresses_ = {"127.0.0.1:1"};  // nothing listens on port 1
+// A client of one shard where nothing listens (port 1), retrying fast.
+GrpcPsClientOptions DeadShardOptions() {
   GrpcPsClientOptions options;
-  options.ps_addresses = addresses_;
+  options.ps_addresses = {"127.0.0.1:1"};
   options.retry.max_attempts = 3;
   options.retry.initial_backoff = absl::Milliseconds(10);
   options.rpc_timeout = absl::Seconds(2);
-  auto client = CreateGrpcPsClient({{"w", {3}}}, options);
+  return options;
+}
+
+TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
+  auto client = CreateGrpcPsClient({{"w", {3}}}, DeadShardOptions());
   ASSERT_TRUE(client.ok());
   Tensors out = Make({{"w", {3}}}, 0);
   auto pulled = (*client)->Pull(out.ptrs());
@@ -1044,13 +1048,8 @@ TEST_F(PsClusterTest, DeadServerIsUnavailableAfterRetries) {
 // id: with a retention no longer than the deadline, not at all (a pull, which
 // applies nothing, still is).
 TEST_F(PsClusterTest, PushIsNotRetriedPastTheShardsRequestIdRetention) {
-  addresses_ = {"127.0.0.1:1"};  // nothing listens on port 1
-  GrpcPsClientOptions options;
-  options.ps_addresses = addresses_;
-  options.retry.max_attempts = 3;
-  options.retry.initial_backoff = absl::Milliseconds(10);
-  options.rpc_timeout = absl::Seconds(2);
-  options.request_id_retention = absl::Seconds(2);
+  GrpcPsClientOptions options = DeadShardOptions();
+  options.request_id_retention = absl::Seconds(2);  // as long as the deadline
   auto client = CreateGrpcPsClient({{"w", {3}}}, options);
   ASSERT_TRUE(client.ok());
   Tensors grads = Make({{"w", {3}}}, 1);

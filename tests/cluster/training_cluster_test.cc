@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
+#include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
@@ -133,6 +134,17 @@ TEST_P(TrainingClusterTest, TwoWorkersLearnOverRealGrpc) {
   }
 }
 
+// 6 steps of batch 32, quietly.
+worker::TrainerOptions SixSteps() {
+  worker::TrainerOptions options;
+  options.batch_size = 32;
+  options.epochs = 1;
+  options.train_steps = 6;
+  options.seed = 3;
+  options.progress = nullptr;
+  return options;
+}
+
 // Wraps a backend and records what the trainer pins: every step's big
 // tensors must lie in pinned memory, and everything pinned must be unpinned
 // before Train returns (a GPU backend copies straight from and to it).
@@ -215,13 +227,7 @@ TEST(TrainerPinningTest, BigTensorsArePinnedForEveryStepAndUnpinnedAtTheEnd) {
     client_options.ps_addresses = {(*server)->client_address()};
     auto client = worker::CreateGrpcPsClient(model->variables, client_options);
     ASSERT_TRUE(client.ok()) << client.status();
-    worker::TrainerOptions options;
-    options.batch_size = 32;
-    options.epochs = 1;
-    options.train_steps = 6;
-    options.seed = 3;
-    options.progress = nullptr;
-    auto summary = worker::Train(*model, &backend, client->get(), train, test, options);
+    auto summary = worker::Train(*model, &backend, client->get(), train, test, SixSteps());
     ASSERT_TRUE(summary.ok()) << summary.status();
     EXPECT_EQ(summary->steps, 6);
     // Two parameter and two gradient buffers, one big tensor each.
@@ -232,6 +238,26 @@ TEST(TrainerPinningTest, BigTensorsArePinnedForEveryStepAndUnpinnedAtTheEnd) {
     EXPECT_EQ(backend.unknown_unpins, 0);
     EXPECT_EQ(backend.still_pinned(), 0u);
   }
+}
+
+// One shard on a loopback port, a CPU backend prepared for `model` at batch
+// 32, and a client of the shard.
+struct OneShard {
+  std::unique_ptr<server::PsServer> server;
+  std::unique_ptr<worker::ComputeBackend> backend;
+  std::unique_ptr<worker::PsClient> client;
+};
+absl::StatusOr<OneShard> StartOneShard(const worker::ModelDef& model) {
+  OneShard out;
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  PSFLOW_ASSIGN_OR_RETURN(out.server, server::PsServer::Start(ps));
+  PSFLOW_ASSIGN_OR_RETURN(out.backend, worker::CreateBackend("cpu", {}));
+  PSFLOW_RETURN_IF_ERROR(out.backend->Prepare(model, 32));
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {out.server->client_address()};
+  PSFLOW_ASSIGN_OR_RETURN(out.client, worker::CreateGrpcPsClient(model.variables, client_options));
+  return out;
 }
 
 // A client that forwards to a real one, but whose third push says gRPC
@@ -274,29 +300,15 @@ class StillHeldClient : public worker::PsClient {
 // The trainer keeps such a gradient: reading it after Train returned is no
 // use after free (AddressSanitizer, in CI's second pass, would say so).
 TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
-  server::PsServerOptions ps;
-  ps.address = "127.0.0.1:0";
-  auto server = server::PsServer::Start(ps);
-  ASSERT_TRUE(server.ok()) << server.status();
   const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
   auto model = worker::ParseModel("flatten,dense:16:relu,dense:10", {8, 8, 1});
   ASSERT_TRUE(model.ok()) << model.status();
-  auto backend = worker::CreateBackend("cpu", {});
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
-  worker::GrpcPsClientOptions client_options;
-  client_options.ps_addresses = {(*server)->client_address()};
-  auto inner = worker::CreateGrpcPsClient(model->variables, client_options);
-  ASSERT_TRUE(inner.ok()) << inner.status();
-  StillHeldClient client(std::move(*inner));
-  worker::TrainerOptions options;
-  options.batch_size = 32;
-  options.epochs = 1;
-  options.train_steps = 6;
-  options.seed = 3;
-  options.progress = nullptr;
+  auto shard = StartOneShard(*model);
+  ASSERT_TRUE(shard.ok()) << shard.status();
+  StillHeldClient client(std::move(shard->client));
+  worker::TrainerOptions options = SixSteps();
   options.fused_push_pull = false;
-  auto summary = worker::Train(*model, backend->get(), &client, train, test, options);
+  auto summary = worker::Train(*model, shard->backend.get(), &client, train, test, options);
   EXPECT_EQ(summary.status().code(), absl::StatusCode::kInternal);
   EXPECT_TRUE(worker::GradientStillHeld(summary.status())) << summary.status();
   ASSERT_EQ(client.held.size(), model->variables.size());
@@ -313,19 +325,10 @@ TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
 // registering, while the others waited for it; a test split of another
 // shape was read past the end of the evaluation buffer.
 TEST(TrainerInputTest, UnusableDataIsRefusedBeforeAnythingIsRegistered) {
-  server::PsServerOptions ps;
-  ps.address = "127.0.0.1:0";
-  auto server = server::PsServer::Start(ps);
-  ASSERT_TRUE(server.ok()) << server.status();
   auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
   ASSERT_TRUE(model.ok()) << model.status();
-  auto backend = worker::CreateBackend("cpu", {});
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
-  worker::GrpcPsClientOptions client_options;
-  client_options.ps_addresses = {(*server)->client_address()};
-  auto client = worker::CreateGrpcPsClient(model->variables, client_options);
-  ASSERT_TRUE(client.ok()) << client.status();
+  auto shard = StartOneShard(*model);
+  ASSERT_TRUE(shard.ok()) << shard.status();
 
   Dataset other_shape = MakeSquares(10, 2);
   other_shape.name = "squares/test";
@@ -355,11 +358,12 @@ TEST(TrainerInputTest, UnusableDataIsRefusedBeforeAnythingIsRegistered) {
     options.batch_size = 32;
     options.epochs = 1;
     options.progress = nullptr;
-    auto summary = worker::Train(*model, backend->get(), client->get(), c.train, c.test, options);
+    auto summary =
+        worker::Train(*model, shard->backend.get(), shard->client.get(), c.train, c.test, options);
     ASSERT_FALSE(summary.ok());
     EXPECT_EQ(summary.status().code(), absl::StatusCode::kInvalidArgument) << summary.status();
     EXPECT_THAT(std::string(summary.status().message()), ::testing::HasSubstr(c.want));
-    EXPECT_EQ((*server)->store().stats().parameter_bytes, 0) << "something was registered";
+    EXPECT_EQ(shard->server->store().stats().parameter_bytes, 0) << "something was registered";
   }
 }
 
