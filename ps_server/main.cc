@@ -132,12 +132,8 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
         absl::StrCat("--request_id_retention_s is ", retention_s, "; expected 0 to 1e9 seconds"));
   }
   options.store.request_id_retention = absl::Seconds(retention_s);
+  // Checked by the store, which names the flag.
   options.store.request_ledger_bytes = absl::GetFlag(FLAGS_request_ledger_bytes);
-  if (options.store.request_ledger_bytes < psflow::server::kMinRequestLedgerBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--request_ledger_bytes is ", options.store.request_ledger_bytes,
-                     "; expected at least ", psflow::server::kMinRequestLedgerBytes));
-  }
   options.threads = absl::GetFlag(FLAGS_threads);
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
   options.apply_window = absl::GetFlag(FLAGS_apply_window);

@@ -223,9 +223,9 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
   if (options.request_ledger_bytes < kMinRequestLedgerBytes) {
     // One id may take a quarter: below this, a push's first record (the id,
     // a part's progress, a range) would not fit, and every push would fail.
-    return absl::InvalidArgumentError(absl::StrCat("request_ledger_bytes is ",
-                                                   options.request_ledger_bytes,
-                                                   "; expected at least ", kMinRequestLedgerBytes));
+    return absl::InvalidArgumentError(
+        absl::StrCat("request_ledger_bytes (--request_ledger_bytes) is ",
+                     options.request_ledger_bytes, "; expected at least ", kMinRequestLedgerBytes));
   }
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                           Optimizer::Create(options.optimizer));
@@ -674,8 +674,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
                          "' and its other parts than ps shard ", store_->options_.shard_index,
                          " keeps track of for one id (its record has reached ", entry_->bytes,
                          " of at most ", most, " bytes, ", kRangeBytes,
-                         " a gap); send each part's elements in fewer, larger "
-                         "segments"));
+                         " a gap); send each part's elements in fewer, larger segments"));
       }
       if (!todo.empty()) {
         // The whole segment, one entry however many pieces of it are new.

@@ -182,16 +182,15 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   Buffers params[2] = {Buffers(model), Buffers(model)};
   // The gradients on the heap: if a push returns saying gRPC still holds
   // part of one (GradientStillHeld), they are never freed.
-  auto grads_storage = std::make_unique<std::array<Buffers, 2>>(
-      std::array<Buffers, 2>{Buffers(model), Buffers(model)});
-  std::array<Buffers, 2>& grads = *grads_storage;
-  struct KeepIfStillHeld {
-    std::unique_ptr<std::array<Buffers, 2>>* storage;
+  struct Gradients {
+    std::unique_ptr<std::array<Buffers, 2>> buffers;
     std::atomic<bool> held{false};
-    ~KeepIfStillHeld() {
-      if (held) KeepForever(std::move(*storage));
+    ~Gradients() {
+      if (held) KeepForever(std::move(buffers));
     }
-  } keep_grads{&grads_storage};
+  } keep_grads{std::make_unique<std::array<Buffers, 2>>(
+      std::array<Buffers, 2>{Buffers(model), Buffers(model)})};
+  std::array<Buffers, 2>& grads = *keep_grads.buffers;
   if (options.is_chief) {
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
     std::vector<const float*> init_ptrs;

@@ -876,7 +876,8 @@ TEST(VariableStoreTest, CreateValidatesOptions) {
   EXPECT_THAT(no_ledger.message(), HasSubstr("request_ledger_bytes"));
   options.request_ledger_bytes = 1000;  // every push's first record would be refused
   EXPECT_THAT(VariableStore::Create(options).status().message(),
-              HasSubstr("request_ledger_bytes is 1000; expected at least 65536"));
+              HasSubstr("request_ledger_bytes (--request_ledger_bytes) is 1000; expected at "
+                        "least 65536"));
   options.request_ledger_bytes = 1 << 20;
   options.request_id_retention = absl::Seconds(-1);
   const absl::Status negative = VariableStore::Create(options).status();
