@@ -32,6 +32,10 @@ namespace psflow::server {
 namespace {
 
 constexpr int64_t kDefaultPullChunkBytes = 1 << 20;
+// A pulled piece of at least this many bytes is sent from the parameters
+// themselves (VariableStore::Pin) instead of a copy: below it the copy
+// costs less than a slice of its own.
+constexpr int64_t kPinnedPieceBytes = 64 << 10;
 
 absl::Status SegmentSize(const Segment& segment, int64_t* count) {
   if (segment.data().size() % 4 != 0) {
@@ -359,6 +363,7 @@ class PsServer::Service final : public grpc::Service {
         absl::ToInt64Milliseconds(store_->options().request_id_retention));
     response->set_ledger_ids(stats.ledger_ids);
     response->set_ledger_ids_forgotten_early(stats.ledger_ids_forgotten_early);
+    response->set_stripes_copied_on_write(stats.stripes_copied_on_write);
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());
@@ -746,6 +751,8 @@ class PsServer::Service final : public grpc::Service {
       int64_t offset, count;
     };
     std::vector<Piece> pieces;
+    std::vector<grpc::Slice> slices;
+    std::vector<PinnedValues> pinned;
     std::vector<int64_t> versions;
     std::string tail;
     size_t next = 0;  // the span being sent
@@ -766,28 +773,50 @@ class PsServer::Service final : public grpc::Service {
         at += take;
         in_msg += take;
       }
-      BufferPool::Buffer* buf = pool_->Get(bytes);
+      // Large pieces are sent from where the values lie, pinned until gRPC
+      // has written them (a push meanwhile writes a copy); the segments'
+      // prefixes and small pieces are copied into one pooled buffer.
+      size_t copied = 0;
+      for (const Piece& piece : pieces) {
+        copied += wire::SegmentPrefixSize(1, piece.variable, piece.offset, piece.count * 4) +
+                  (piece.count * 4 >= kPinnedPieceBytes ? 0 : piece.count * 4);
+      }
+      BufferPool::Buffer* buf = pool_->Get(copied);
+      const grpc::Slice copies(buf->data.get(), copied, &BufferPool::Return, buf);
       char* p = buf->data.get();
-      size_t len = 0;
+      size_t len = 0, flushed = 0;
+      slices.clear();
+      auto flush = [&] {
+        if (len > flushed) slices.push_back(copies.sub(flushed, len));
+        flushed = len;
+      };
       versions.clear();
       int64_t data_bytes = 0;
       for (const Piece& piece : pieces) {
         len += wire::WriteSegmentPrefix(p + len, 1, piece.variable, piece.offset, piece.count * 4);
-        absl::StatusOr<int64_t> version =
-            store_->Read(piece.variable, piece.offset, piece.count, p + len);
-        if (!version.ok()) {
-          BufferPool::Return(buf);
-          return version.status();
+        absl::StatusOr<int64_t> version;
+        if (piece.count * 4 >= kPinnedPieceBytes) {
+          flush();
+          pinned.clear();
+          version = store_->Pin(piece.variable, piece.offset, piece.count, &pinned);
+          for (const PinnedValues& v : pinned) {
+            slices.emplace_back(const_cast<void*>(v.data), static_cast<size_t>(v.bytes),
+                                &VariableStore::Unpin, v.pin);
+          }
+        } else {
+          version = store_->Read(piece.variable, piece.offset, piece.count, p + len);
+          len += piece.count * 4;
         }
+        if (!version.ok()) return version.status();  // `slices` releases what it holds
         versions.push_back(*version);
-        len += piece.count * 4;
         data_bytes += piece.count * 4;
       }
+      flush();
       tail.clear();
       wire::AppendPackedInt64(&tail, 2, versions);
-      grpc::Slice slices[2] = {grpc::Slice(buf->data.get(), len, &BufferPool::Return, buf),
-                               grpc::Slice(tail)};
-      grpc::ByteBuffer message(slices, 2);
+      slices.emplace_back(tail);
+      grpc::ByteBuffer message(slices.data(), slices.size());
+      slices.clear();  // the message holds its own references
       if (!writer->Write(message)) return absl::CancelledError("Pull: the client went away");
       bytes_sent_ += data_bytes;
       if (context->IsCancelled()) return absl::CancelledError("Pull: cancelled");

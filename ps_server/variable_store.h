@@ -6,7 +6,9 @@
 // to different parts, and to different element ranges of one part (the
 // messages of one push, applied in parallel), run in parallel; the part
 // table has a reader-writer lock taken only to find a part or to add new
-// ones.
+// ones. A pull may pin a stripe's parameters instead of copying them (Pin):
+// a push to a pinned stripe then writes a copy (copy on write), so the
+// pinned values stay as they were read until the pull lets go of them.
 #ifndef PSFLOW_PS_SERVER_VARIABLE_STORE_H_
 #define PSFLOW_PS_SERVER_VARIABLE_STORE_H_
 
@@ -109,6 +111,9 @@ struct StoreStats {
   // Ids forgotten before request_id_retention because the records passed
   // request_ledger_bytes: a retry of one of those would apply twice.
   int64_t ledger_ids_forgotten_early = 0;
+  // Lock stripes a push copied before updating them because a pull still
+  // held their values (Pin).
+  int64_t stripes_copied_on_write = 0;
 };
 
 struct RegisterResult {
@@ -123,6 +128,17 @@ struct PushHeaderInfo {
   uint64_t request_id = 0;
 };
 
+class SharedValues;
+class ValuesPool;
+
+// Parameter values held as they were read (VariableStore::Pin): `bytes`
+// bytes of float32 at `data`, unchanged until VariableStore::Unpin(pin).
+struct PinnedValues {
+  const void* data = nullptr;
+  int64_t bytes = 0;
+  void* pin = nullptr;
+};
+
 class VariableStore {
  public:
   // What a part costs beside its elements, counted against
@@ -135,12 +151,23 @@ class VariableStore {
   static constexpr int64_t kLockStripeElements = int64_t{1} << 16;
 
  private:
+  // A lock stripe's parameters: `home`, its place in the part's one
+  // buffer, and `current`, where its values are now (home, or a buffer of
+  // its own while home is still pinned by a pull; see WritableValues).
+  struct StripeValues {
+    SharedValues* home = nullptr;
+    SharedValues* current = nullptr;
+  };
   struct Part {
     explicit Part(PartDefinition d)
         : def(std::move(d)),
           num_elements(def.num_elements()),
           num_stripes((num_elements + kLockStripeElements - 1) / kLockStripeElements),
           stripes(new absl::Mutex[static_cast<size_t>(num_stripes)]) {}
+    ~Part();
+    // Copies the current values of elements [offset, offset + count) to
+    // `out` (4 * count bytes, any alignment); their stripes held.
+    void CopyValues(int64_t offset, int64_t count, void* out) const;
     const PartDefinition def;
     const int64_t num_elements;
     const int64_t num_stripes;
@@ -149,7 +176,7 @@ class VariableStore {
     // takes them in increasing order (StripeLock), so no two holders
     // deadlock. (Not expressible in thread annotations.)
     const std::unique_ptr<absl::Mutex[]> stripes;
-    FloatBuffer params;
+    std::unique_ptr<StripeValues[]> params;  // one per stripe
     std::vector<FloatBuffer> slots;
     // Dense, in the order parts were added (set before the part is
     // visible; never changes): its bit in a LedgerEntry's `complete`.
@@ -288,6 +315,17 @@ class VariableStore {
   // `offset` into `out` (4 * count bytes); returns the part's version.
   absl::StatusOr<int64_t> Read(absl::string_view variable, int64_t offset, int64_t count,
                                void* out) const;
+  // The same values without a copy: appends one PinnedValues per lock stripe
+  // the range crosses, in order, each to be released with Unpin; returns the
+  // part's version. Until then a push to those stripes writes a copy of
+  // them (at most one 256 KiB copy per stripe and push), so the pinned
+  // values stay as read, one version as with Read. For a pull that sends
+  // the values from where they lie (a gRPC slice whose release calls Unpin).
+  absl::StatusOr<int64_t> Pin(absl::string_view variable, int64_t offset, int64_t count,
+                              std::vector<PinnedValues>* out) const;
+  // Releases a PinnedValues::pin; any thread, any time, also after the store
+  // is gone.
+  static void Unpin(void* pin);
 
   // Definitions and versions of every part, in name order.
   std::vector<PartSnapshot> ListParts() const;
@@ -315,9 +353,17 @@ class VariableStore {
   void ReportForgottenEarly(int64_t forgotten);
   absl::Status CheckSegment(const Part& part, int64_t offset, const void* data, int64_t count,
                             bool check_values) const;
+  absl::StatusOr<Part*> FindRange(absl::string_view variable, int64_t offset, int64_t count,
+                                  const char* what) const;
+  // Stripe `stripe`'s values, ready to be written in place: a copy of them
+  // first if a pull still pins them. The stripe's lock held exclusively.
+  float* WritableValues(Part& part, int64_t stripe);
 
   const VariableStoreOptions options_;
   const std::unique_ptr<Optimizer> optimizer_;
+  // Buffers for stripes copied on write; shared with the copies, which may
+  // outlive the store in a pull that gRPC is still sending.
+  const std::shared_ptr<ValuesPool> values_pool_;
 
   mutable absl::Mutex parts_mu_;
   absl::flat_hash_map<std::string, std::unique_ptr<Part>> parts_ ABSL_GUARDED_BY(parts_mu_);
@@ -339,6 +385,7 @@ class VariableStore {
   std::atomic<int64_t> duplicate_elements_{0};
   std::atomic<int64_t> rejected_requests_{0};
   std::atomic<int64_t> parameter_bytes_{0};
+  std::atomic<int64_t> stripes_copied_on_write_{0};
   int64_t max_variable_bytes_ = 0;  // resolved from the options; 0 = no limit
 };
 

@@ -1357,6 +1357,68 @@ TEST_F(PsClusterTest, PullOfManyLargeRangesIsStreamedWithoutPlanningAhead) {
   reader->Finish();
 }
 
+// A pull sends large pieces from the parameters themselves, pinned until
+// gRPC has written them. A client that does not read holds the shard's
+// writes back, so pushes made meanwhile must copy the pinned stripes: every
+// message then still carries the values of the version it names, however
+// late it is read, and a later pull sees the pushes.
+TEST_F(PsClusterTest, PullTheClientHasNotReadKeepsTheValuesItNamed) {
+  StartCluster(1, SgdLr1());
+  constexpr int64_t kElements = 4 * 65536;  // 4 lock stripes, 1 MiB
+  const std::vector<VariableSpec> vars = {{"w", {kElements}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
+
+  PullRequest request;
+  for (int r = 0; r < 64; ++r) {  // 64 MiB, more than the connection buffers
+    PullRange* range = request.add_ranges();
+    range->set_variable("w");
+    range->set_count(kElements);
+  }
+  grpc::ClientContext context;
+  auto stub = Stub(0);
+  auto reader = stub->Pull(&context, request);
+  PullResponse msg;
+  ASSERT_TRUE(reader->Read(&msg));  // the shard is writing now
+  constexpr int kPushes = 3;
+  const Tensors ones = Make(vars, 1.0f);
+  for (int k = 1; k <= kPushes; ++k) ASSERT_TRUE(client->Push(ones.cptrs(), {k, 0}).ok());
+  auto status = client->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_GT((*status)[0].stripes_copied_on_write(), 0);
+
+  int messages = 0;
+  int64_t last_version = 0;
+  do {
+    ++messages;
+    ASSERT_EQ(msg.segments_size(), 1);
+    ASSERT_EQ(msg.versions_size(), 1);
+    const std::string& data = msg.segments(0).data();
+    ASSERT_EQ(data.size(), kElements * 4u);
+    std::vector<float> values(kElements);
+    std::memcpy(values.data(), data.data(), data.size());
+    // A push counts its version when it begins, then writes the values run
+    // by run as they arrive (a pull may come in between): every value of a
+    // message is that of the version it names or of the one before.
+    const int64_t version = msg.versions(0);
+    EXPECT_GE(version, last_version);
+    last_version = version;
+    const int64_t other = std::count_if(values.begin(), values.end(), [&](float x) {
+      return x != -1.0f * version && x != -1.0f * (version - 1);
+    });
+    ASSERT_EQ(other, 0) << "message " << messages << " names version " << version << " but holds "
+                        << values[0] << " ... " << values.back();
+  } while (reader->Read(&msg));
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(messages, 64);
+  EXPECT_EQ(last_version, kPushes);
+
+  Tensors now = Make(vars, 9.0f);
+  ASSERT_TRUE(client->Pull(now.ptrs()).ok());
+  EXPECT_EQ(now.data[0], std::vector<float>(kElements, -1.0f * kPushes));
+}
+
 // A TCP forwarder for one connection that can be frozen: it then stops
 // moving bytes but keeps both sockets open, as a peer whose machine or
 // network vanished does (no FIN, no RST).
