@@ -798,6 +798,8 @@ class PsServer::Service final : public grpc::Service {
         if (piece.count * 4 >= kPinnedPieceBytes) {
           flush();
           pinned.clear();
+          // Room for a slice per stripe first, so that every pin finds its owner.
+          slices.reserve(slices.size() + piece.count / VariableStore::kLockStripeElements + 4);
           version = store_->Pin(piece.variable, piece.offset, piece.count, &pinned);
           for (const PinnedValues& v : pinned) {
             slices.emplace_back(const_cast<void*>(v.data), static_cast<size_t>(v.bytes),

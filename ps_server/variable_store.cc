@@ -235,6 +235,7 @@ class SharedValues {
 
 VariableStore::Part::~Part() {
   for (int64_t i = 0; params != nullptr && i < num_stripes; ++i) {
+    if (params[i].home == nullptr) break;  // NewPart ran out of memory here
     if (params[i].current != params[i].home) params[i].current->Unref();
     params[i].home->Unref();
   }
@@ -251,13 +252,18 @@ void VariableStore::Unpin(void* pin) { static_cast<SharedValues*>(pin)->Unref();
 
 float* VariableStore::WritableValues(Part& part, int64_t stripe) {
   StripeValues& v = part.params[stripe];
-  if (!v.current->Shared()) return v.current->data();
-  // Pinned: the values move, to home again if no pull holds it any longer
-  // (so that a stripe pulled and pushed by turns uses its home and one
-  // other buffer), else to a buffer of their own.
-  SharedValues* to = v.current != v.home && !v.home->Shared()
-                         ? v.home
-                         : new SharedValues(v.current->size(), values_pool_);
+  SharedValues* to;
+  if (v.current != v.home && !v.home->Shared()) {
+    // Away, and home is free again: back home, so that a stripe holds a
+    // second buffer only while a pull holds its home (the part's buffer
+    // cannot give a stripe's share back).
+    to = v.home;
+  } else if (v.current->Shared()) {
+    // Pinned, and home too: a buffer of its own.
+    to = new SharedValues(v.current->size(), values_pool_);
+  } else {
+    return v.current->data();
+  }
   std::memcpy(to->data(), v.current->data(), static_cast<size_t>(v.current->size()) * 4);
   if (v.current != v.home) v.current->Unref();  // freed when the last pull lets go
   v.current = to;
@@ -373,13 +379,14 @@ std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition
     slots.emplace_back(n, optimizer_->slot_initial_value(i));
   }
   auto part = std::make_unique<Part>(def);  // not shared yet: no lock needed
-  auto stripes = std::make_unique<StripeValues[]>(static_cast<size_t>(part->num_stripes));
+  // In place at once, so that the part's destructor frees what was made
+  // if memory runs out halfway.
+  part->params = std::make_unique<StripeValues[]>(static_cast<size_t>(part->num_stripes));
   for (int64_t i = 0; i < part->num_stripes; ++i) {
     const int64_t begin = i * kLockStripeElements;
-    stripes[i].home = stripes[i].current =
+    part->params[i].home = part->params[i].current =
         new SharedValues(params->data() + begin, std::min(kLockStripeElements, n - begin), params);
   }
-  part->params = std::move(stripes);
   part->slots = std::move(slots);
   return part;
 }
@@ -825,12 +832,33 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     // Only this segment's stripes: other messages of the push (other
     // ranges of the part) are applied beside it.
     StripeLock lock(*part, offset, offset + count, /*exclusive=*/true);
+    // Every stripe ready to be written before any is: a copy that finds no
+    // memory then leaves the segment unapplied and the server up.
+    bool out_of_memory = false;
+    try {
+      for (const auto& [begin, end] : todo) {
+        ForEachStripe(begin, end, [&](int64_t stripe, int64_t, int64_t) {
+          store_->WritableValues(*part, stripe);
+        });
+      }
+    } catch (const std::bad_alloc&) {
+      out_of_memory = true;
+    }
+    if (out_of_memory) {
+      absl::MutexLock entry_lock(&entry_->mu);
+      progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
+                                          std::make_pair(offset, offset + count)));
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "push: ps shard ", store_->options_.shard_index, " has no memory for a copy of '",
+          variable, "' that a pull still holds; nothing of elements [", offset, ",", offset + count,
+          ") was applied"));
+    }
     for (const auto& [begin, end] : todo) {
       float* slots[4];
       for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + begin;
       // The kernels read the gradient at any alignment.
       const char* grad = static_cast<const char*>(data) + 4 * (begin - offset);
-      // Stripe by stripe: a stripe a pull still pins is copied first.
+      // Stripe by stripe (each writable now: the call finds it so).
       ForEachStripe(begin, end, [&](int64_t stripe, int64_t at, int64_t n) {
         float* params = store_->WritableValues(*part, stripe) + (at - stripe * kLockStripeElements);
         store_->optimizer_->Apply(step, params, slots, grad, n);
@@ -910,6 +938,8 @@ absl::StatusOr<int64_t> VariableStore::Read(absl::string_view variable, int64_t 
 absl::StatusOr<int64_t> VariableStore::Pin(absl::string_view variable, int64_t offset,
                                            int64_t count, std::vector<PinnedValues>* out) const {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindRange(variable, offset, count, "pin"));
+  // Room first: no allocation may fail between a Ref and its record.
+  out->reserve(out->size() + static_cast<size_t>(count / kLockStripeElements + 2));
   StripeLock lock(*part, offset, offset + count, /*exclusive=*/false);
   ForEachStripe(offset, offset + count, [&](int64_t stripe, int64_t at, int64_t n) {
     SharedValues* values = part->params[stripe].current;

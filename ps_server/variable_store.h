@@ -317,10 +317,11 @@ class VariableStore {
                                void* out) const;
   // The same values without a copy: appends one PinnedValues per lock stripe
   // the range crosses, in order, each to be released with Unpin; returns the
-  // part's version. Until then a push to those stripes writes a copy of
-  // them (at most one 256 KiB copy per stripe and push), so the pinned
-  // values stay as read, one version as with Read. For a pull that sends
-  // the values from where they lie (a gRPC slice whose release calls Unpin).
+  // part's version. Until then a push to those stripes updates a copy of
+  // them (a 256 KiB copy per stripe, each time an update finds it pinned),
+  // so the pinned values stay as read, one moment as with Read. For a pull
+  // that sends the values from where they lie (a gRPC slice whose release
+  // calls Unpin).
   absl::StatusOr<int64_t> Pin(absl::string_view variable, int64_t offset, int64_t count,
                               std::vector<PinnedValues>* out) const;
   // Releases a PinnedValues::pin; any thread, any time, also after the store

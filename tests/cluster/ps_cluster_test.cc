@@ -1381,6 +1381,17 @@ TEST_F(PsClusterTest, PullTheClientHasNotReadKeepsTheValuesItNamed) {
   auto reader = stub->Pull(&context, request);
   PullResponse msg;
   ASSERT_TRUE(reader->Read(&msg));  // the shard is writing now
+  // Until the connection's buffers are full and the shard waits, holding
+  // the message it is writing (its bytes sent stop moving).
+  int64_t sent = -1;
+  for (int i = 0; i < 250; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    auto now = client->GetStatus();
+    ASSERT_TRUE(now.ok()) << now.status();
+    if ((*now)[0].bytes_sent() == sent) break;
+    sent = (*now)[0].bytes_sent();
+  }
+  ASSERT_LT(sent, int64_t{64} * kElements * 4) << "the whole pull went out before any push";
   constexpr int kPushes = 3;
   const Tensors ones = Make(vars, 1.0f);
   for (int k = 1; k <= kPushes; ++k) ASSERT_TRUE(client->Push(ones.cptrs(), {k, 0}).ok());

@@ -902,16 +902,21 @@ TEST(VariableStoreTest, PinnedValuesStayAsReadWhilePushesUpdateThem) {
   EXPECT_EQ(pins.Values(), std::vector<float>(kElements, 0.0f));
   EXPECT_EQ(ReadAll(store.get(), "w", kElements), std::vector<float>(kElements, -2.0f));
 
+  // Once no pull holds home, the next push brings the values back there,
+  // so that a stripe keeps a second buffer only while a pull holds it.
   pins.Release();
   PushOnes(store.get(), "w", kElements, 3);
-  EXPECT_EQ(store->stats().stripes_copied_on_write, 3);
-  EXPECT_EQ(ReadAll(store.get(), "w", kElements), std::vector<float>(kElements, -3.0f));
+  EXPECT_EQ(store->stats().stripes_copied_on_write, 6);
+  PushOnes(store.get(), "w", kElements, 4);
+  EXPECT_EQ(store->stats().stripes_copied_on_write, 6);
+  EXPECT_EQ(ReadAll(store.get(), "w", kElements), std::vector<float>(kElements, -4.0f));
 }
 
 TEST(VariableStoreTest, EachPinHoldsTheValuesItRead) {
   // Pins taken between pushes, held together and released out of order:
   // each keeps its own version, whichever buffer the stripe's values have
-  // moved to since (home, a copy, home again, a recycled copy).
+  // moved to since (home, copies, home again, a copy whose buffer another
+  // copy had before).
   constexpr int64_t kStripe = VariableStore::kLockStripeElements;
   constexpr int64_t kElements = 2 * kStripe + 7;
   auto store = SgdStore();
@@ -930,9 +935,16 @@ TEST(VariableStoreTest, EachPinHoldsTheValuesItRead) {
   EXPECT_EQ(ReadAll(store.get(), "w", kElements), std::vector<float>(kElements, -1.0f * kPins));
   EXPECT_EQ(store->stats().stripes_copied_on_write, 3 * kPins);
   pins[3].Release();
-  pins[1].Release();
+  pins[1].Release();  // their copies' buffers go back to the pool
+  Pins last;
+  ASSERT_TRUE(store->Pin("w", 0, kElements, last.out()).ok());
+  PushOnes(store.get(), "w", kElements, kPins + 1);  // a copy again: home is held by pins[4]
+  EXPECT_EQ(store->stats().stripes_copied_on_write, 3 * kPins + 3);
   EXPECT_EQ(pins[2].Values(), std::vector<float>(kElements - 5, -2.0f));
   EXPECT_EQ(pins[4].Values(), std::vector<float>(kElements - 5, -4.0f));
+  EXPECT_EQ(last.Values(), std::vector<float>(kElements, -1.0f * kPins));
+  EXPECT_EQ(ReadAll(store.get(), "w", kElements),
+            std::vector<float>(kElements, -1.0f * (kPins + 1)));
 }
 
 TEST(VariableStoreTest, PinOutOfRangeIsRefusedAndPinsNothing) {
