@@ -257,7 +257,7 @@ absl::Status Nested(Cursor* c, uint64_t len, Fn body) {
 
 absl::Status DecodeSegment(Cursor* c, DecodedMessage* out, DecodedSegment* seg) {
   return ForEachField(c, [&](const FieldTag& tag) -> absl::Status {
-    uint64_t v;
+    uint64_t v = 0;
     switch (tag.field) {
       case 1:
         if (tag.type != kLen) return WrongType("Segment", "variable", tag, kLen);
@@ -288,7 +288,7 @@ absl::Status DecodeSegment(Cursor* c, DecodedMessage* out, DecodedSegment* seg) 
 absl::Status DecodePushHeader(Cursor* c, PushHeaderFields* h) {
   static const char* const kNames[] = {"", "worker_id", "step", "read_version"};
   return ForEachField(c, [&](const FieldTag& tag) -> absl::Status {
-    uint64_t v;
+    uint64_t v = 0;
     switch (tag.field) {
       case 1:
       case 2:
@@ -431,7 +431,7 @@ absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces
   for (absl::string_view piece : pieces) bytes += piece.size();
   const size_t most_segments = MaxSegments(bytes);
   return ForEachField(&c, [&](const FieldTag& tag) -> absl::Status {
-    uint64_t v;
+    uint64_t v = 0;
     if (tag.field == segments_field) {
       if (tag.type != kLen) return WrongType(message, "segments", tag, kLen);
       if (out->num_segments == most_segments) {
@@ -466,7 +466,7 @@ absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces
       if (absl::Status s = c.ReadLength(&v, "PullResponse.versions"); !s.ok()) return s;
       return Nested(&c, v, [&]() -> absl::Status {
         while (!c.AtLimit()) {
-          uint64_t x;
+          uint64_t x = 0;
           if (absl::Status s = c.ReadVarint(&x, "PullResponse.versions"); !s.ok()) return s;
           out->versions.push_back(static_cast<int64_t>(x));
         }

@@ -283,8 +283,11 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   (*server)->Shutdown(absl::Seconds(5));
   const auto stats = (*server)->store().stats();
-  std::printf("ps_server: shard %d stopped after %lld pushes (%lld rejected)\n",
-              options->store.shard_index, static_cast<long long>(stats.pushes),
-              static_cast<long long>(stats.rejected_requests));
+  std::printf(
+      "ps_server: shard %d stopped after %lld pushes (%lld rejected; %lld stripe copies for "
+      "pulls in flight)\n",
+      options->store.shard_index, static_cast<long long>(stats.pushes),
+      static_cast<long long>(stats.rejected_requests),
+      static_cast<long long>(stats.stripes_copied_on_write));
   return 0;
 }
