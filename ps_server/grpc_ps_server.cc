@@ -764,22 +764,18 @@ class PsServer::Service final : public grpc::Service {
     };
     skip_sent();
     while (next < spans.size()) {
-      pieces.clear();
-      size_t bytes = 0;
-      for (int64_t in_msg = 0; next < spans.size() && in_msg < chunk_elements; skip_sent()) {
-        const int64_t take = std::min(spans[next].end - at, chunk_elements - in_msg);
-        pieces.push_back({spans[next].variable, at, take});
-        bytes += wire::SegmentPrefixSize(1, spans[next].variable, at, take * 4) + take * 4;
-        at += take;
-        in_msg += take;
-      }
       // Large pieces are sent from where the values lie, pinned until gRPC
       // has written them (a push meanwhile writes a copy); the segments'
       // prefixes and small pieces are copied into one pooled buffer.
+      pieces.clear();
       size_t copied = 0;
-      for (const Piece& piece : pieces) {
-        copied += wire::SegmentPrefixSize(1, piece.variable, piece.offset, piece.count * 4) +
-                  (piece.count * 4 >= kPinnedPieceBytes ? 0 : piece.count * 4);
+      for (int64_t in_msg = 0; next < spans.size() && in_msg < chunk_elements; skip_sent()) {
+        const int64_t take = std::min(spans[next].end - at, chunk_elements - in_msg);
+        pieces.push_back({spans[next].variable, at, take});
+        copied += wire::SegmentPrefixSize(1, spans[next].variable, at, take * 4) +
+                  (take * 4 >= kPinnedPieceBytes ? 0 : take * 4);
+        at += take;
+        in_msg += take;
       }
       BufferPool::Buffer* buf = pool_->Get(copied);
       const grpc::Slice copies(buf->data.get(), copied, &BufferPool::Return, buf);

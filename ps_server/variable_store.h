@@ -356,8 +356,10 @@ class VariableStore {
                             bool check_values) const;
   absl::StatusOr<Part*> FindRange(absl::string_view variable, int64_t offset, int64_t count,
                                   const char* what) const;
-  // Stripe `stripe`'s values, ready to be written in place: a copy of them
-  // first if a pull still pins them. The stripe's lock held exclusively.
+  // Stripe `stripe`'s values, ready to be written in place: copied first if
+  // a pull still pins them, or back home once no pull holds home. The
+  // stripe's lock held exclusively; throws std::bad_alloc if a copy finds
+  // no memory.
   float* WritableValues(Part& part, int64_t stripe);
 
   const VariableStoreOptions options_;
