@@ -858,7 +858,9 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       for (size_t i = 0; i < part->slots.size(); ++i) slots[i] = part->slots[i].data() + begin;
       // The kernels read the gradient at any alignment.
       const char* grad = static_cast<const char*>(data) + 4 * (begin - offset);
-      // Stripe by stripe (each writable now: the call finds it so).
+      // Stripe by stripe. The pass above made each writable, so this call
+      // allocates nothing: it returns the stripe's values, or takes them
+      // home if the last pull of home let go meanwhile.
       ForEachStripe(begin, end, [&](int64_t stripe, int64_t at, int64_t n) {
         float* params = store_->WritableValues(*part, stripe) + (at - stripe * kLockStripeElements);
         store_->optimizer_->Apply(step, params, slots, grad, n);
