@@ -75,11 +75,9 @@ struct VariableStoreOptions {
 // the allocator's slack), a tenth of it but at least 64 MiB and at most half.
 int64_t DefaultVariableBytes(int64_t memory_limit);
 
-// offset + count for error messages, without overflow on hostile input.
-inline int64_t RangeEnd(int64_t offset, int64_t count) {
-  int64_t end;
-  return __builtin_add_overflow(offset, count, &end) ? (count < 0 ? INT64_MIN : INT64_MAX) : end;
-}
+// offset + count in decimal for error messages, exact even where hostile
+// input makes it overflow 64 bits.
+std::string RangeEnd(int64_t offset, int64_t count);
 
 // Where a part sits in its variable: rows [row_begin, row_end) of dimension 0.
 struct PartDefinition {

@@ -770,7 +770,10 @@ TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
   {
     PushRequest m;
     AddSegment(&m, "w", std::numeric_limits<int64_t>::max() - 1, {1, 1});
-    cases.push_back({"offset near the int64 limit", {m}, grpc::INVALID_ARGUMENT, {"'w'"}});
+    cases.push_back({"offset near the int64 limit",
+                     {m},
+                     grpc::INVALID_ARGUMENT,
+                     {"'w'", "[9223372036854775806,9223372036854775808)"}});
   }
   {
     PushRequest m;

@@ -69,6 +69,20 @@ std::vector<float> ReadAll(VariableStore* store, const std::string& name, int64_
   return out;
 }
 
+// Errors name a range's end exactly, also where a hostile offset and count
+// overflow 64 bits.
+TEST(VariableStoreTest, RangeEndIsExactBeyondSixtyFourBits) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(RangeEnd(3, 4), "7");
+  EXPECT_EQ(RangeEnd(-3, 1), "-2");
+  EXPECT_EQ(RangeEnd(kMax - 1, 2), "9223372036854775808");
+  EXPECT_EQ(RangeEnd(kMax, kMax), "18446744073709551614");
+  EXPECT_EQ(RangeEnd(kMin, -1), "-9223372036854775809");
+  EXPECT_EQ(RangeEnd(kMin, kMin), "-18446744073709551616");
+  EXPECT_EQ(RangeEnd(kMin, kMax), "-1");
+}
+
 TEST(VariableStoreTest, PartOfARowRangeHasRowsTimesRowElements) {
   EXPECT_EQ(Def("w", {10, 3, 2}, 4, 7).num_elements(), 3 * 3 * 2);
   EXPECT_EQ(Def("s", {}, 0, 1).num_elements(), 1);
