@@ -1,11 +1,16 @@
 #include "common/flags_usage.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/flags/commandlineflag.h"
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
@@ -116,6 +121,24 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
                         "TF_CONFIG or by flags)");
   }
   return "";
+}
+
+void ParseFlagsOrExit(int argc, char** argv, const char* program) {
+  if (const std::string unknown = UnknownFlagProblem(argc, argv, program); !unknown.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program, unknown.c_str());
+    std::exit(1);
+  }
+  // absl::ParseCommandLine is this with kHandleUsage, whose exit code for a
+  // printed help is 1 in Abseil 20220623 (0 in later releases). Its other
+  // exits (a bad value, an unknown flag) stay as they are.
+  namespace fi = absl::flags_internal;
+  fi::ParseCommandLineImpl(argc, argv, fi::ArgvListAction::kRemoveParsedArgs,
+                           fi::UsageFlagsAction::kIgnoreUsage,
+                           fi::OnUndefinedFlag::kAbortIfUndefined);
+  if (fi::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
+    std::cout.flush();
+    std::exit(0);
+  }
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseNameValues(

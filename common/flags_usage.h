@@ -25,6 +25,13 @@ void SetUsage(const char* usage, const char* main_file);
 // before absl::ParseCommandLine, and exit 1 with the message.
 std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 
+// Parses the command line as absl::ParseCommandLine does, but exits 0
+// after --help, --helpfull and their kin have printed (Abseil 20220623
+// exits 1 there, which scripts read as a failure), and first exits 1 with
+// UnknownFlagProblem's message, prefixed with "program: ", on an unknown
+// flag. A bad flag value exits 1 with Abseil's message, as before.
+void ParseFlagsOrExit(int argc, char** argv, const char* program);
+
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';
 // INVALID_ARGUMENT naming the flag and the item when one has no '=' or no
 // name.

@@ -14,7 +14,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
@@ -235,12 +234,7 @@ int main(int argc, char** argv) {
       "  ps_server --port=2222 --shard_index=0 --num_shards=2 [--optimizer=adam ...]\n"
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"ps\").",
       "ps_server/main.cc");
-  if (const std::string unknown = psflow::UnknownFlagProblem(argc, argv, "ps_server");
-      !unknown.empty()) {
-    std::fprintf(stderr, "ps_server: %s\n", unknown.c_str());
-    return 1;
-  }
-  absl::ParseCommandLine(argc, argv);
+  psflow::ParseFlagsOrExit(argc, argv, "ps_server");
   psflow::TuneAllocatorForLargeMessages();
   // A request whose names are not UTF-8 makes protobuf log a line; a client
   // sending many must not fill the shard's log.

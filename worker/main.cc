@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -97,12 +96,7 @@ int main(int argc, char** argv) {
       "  worker --ps_hosts=h:2222,h:2223 --worker_hosts=h:2230,h:2231 --task_index=0\n"
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
       "worker/main.cc");
-  if (const std::string unknown = psflow::UnknownFlagProblem(argc, argv, "worker");
-      !unknown.empty()) {
-    std::fprintf(stderr, "worker: %s\n", unknown.c_str());
-    return 1;
-  }
-  absl::ParseCommandLine(argc, argv);
+  psflow::ParseFlagsOrExit(argc, argv, "worker");
   psflow::TuneAllocatorForLargeMessages();
   // Debian's Abseil is built with Mutex deadlock detection on, which keeps a
   // lock graph on every acquisition of the hot path; our lock order is fixed.

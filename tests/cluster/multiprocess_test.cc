@@ -100,6 +100,26 @@ TEST_F(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
   }
 }
 
+// --help lists the binary's own flags and exits 0 (Debian's Abseil exits
+// 1 after printing it); a bad flag value still exits 1.
+TEST_F(MultiProcessTest, HelpListsTheFlagsAndExitsZero) {
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{PSFLOW_PS_SERVER_BIN, "--help"}, {"ps_server --port=2222", "--optimizer", "--beta_1"}},
+      {{PSFLOW_PS_SERVER_BIN, "--helpfull"}, {"--max_chunk_bytes", "--flagfile"}},
+      {{PSFLOW_WORKER_BIN, "--help"}, {"worker --ps_hosts=", "--fused_push_pull"}},
+  };
+  for (const auto& [argv, expected] : cases) {
+    const auto [code, out] = RunToEnd(argv);
+    EXPECT_EQ(code, 0) << absl::StrJoin(argv, " ") << "\n" << out;
+    for (const std::string& text : expected) {
+      EXPECT_THAT(out, ::testing::HasSubstr(text)) << absl::StrJoin(argv, " ");
+    }
+  }
+  const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=two"});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("'two'"));
+}
+
 // A malformed TF_CONFIG is refused with a message naming the key; nothing runs.
 TEST_F(MultiProcessTest, MalformedTfConfigIsAClearError) {
   const auto [code, out] =
