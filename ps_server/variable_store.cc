@@ -312,9 +312,9 @@ std::string RangeEnd(int64_t offset, int64_t count) {
   // Only two values of one sign overflow; their magnitudes add up to at
   // most 2^64, which wraps to 0 in 64 bits.
   const bool negative = count < 0;
-  const uint64_t magnitude = negative ? (0 - static_cast<uint64_t>(offset)) +
-                                            (0 - static_cast<uint64_t>(count))
-                                      : static_cast<uint64_t>(offset) + static_cast<uint64_t>(count);
+  const uint64_t magnitude =
+      negative ? (0 - static_cast<uint64_t>(offset)) + (0 - static_cast<uint64_t>(count))
+               : static_cast<uint64_t>(offset) + static_cast<uint64_t>(count);
   if (magnitude == 0) return "-18446744073709551616";
   return absl::StrCat(negative ? "-" : "", magnitude);
 }
