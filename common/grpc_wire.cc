@@ -477,6 +477,101 @@ absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces
   });
 }
 
+namespace {
+
+// A PullRange's fields; with `out` null, only checks them.
+absl::Status DecodePullRange(Cursor* c, absl::string_view bytes, PullRangeFields* out) {
+  static const char* const kNames[] = {"", "variable", "offset", "count"};
+  return ForEachField(c, [&](const FieldTag& tag) -> absl::Status {
+    uint64_t v = 0;
+    switch (tag.field) {
+      case 1:
+        if (tag.type != kLen) return WrongType("PullRange", "variable", tag, kLen);
+        if (absl::Status s = c->ReadLength(&v, "PullRange.variable"); !s.ok()) return s;
+        if (out != nullptr) out->variable = bytes.substr(c->pos(), v);  // the last one wins
+        c->Skip(v);
+        return absl::OkStatus();
+      case 2:
+      case 3:
+        if (tag.type != kVarint) return WrongType("PullRange", kNames[tag.field], tag, kVarint);
+        if (absl::Status s = c->ReadVarint(&v, kNames[tag.field]); !s.ok()) return s;
+        if (out != nullptr) (tag.field == 2 ? out->offset : out->count) = static_cast<int64_t>(v);
+        return absl::OkStatus();
+      default:
+        return SkipField(c, tag, 0);
+    }
+  });
+}
+
+}  // namespace
+
+absl::Status PullRequestView::Parse(absl::string_view bytes) {
+  *this = PullRequestView();
+  bytes_ = bytes;
+  Cursor c(absl::MakeConstSpan(&bytes_, 1));
+  return ForEachField(&c, [&](const FieldTag& tag) -> absl::Status {
+    uint64_t v = 0;
+    switch (tag.field) {
+      case 1:
+        if (tag.type != kVarint) return WrongType("PullRequest", "worker_id", tag, kVarint);
+        if (absl::Status s = c.ReadVarint(&v, "PullRequest.worker_id"); !s.ok()) return s;
+        worker_id_ = static_cast<int32_t>(v);
+        return absl::OkStatus();
+      case 2:
+        if (tag.type != kLen) return WrongType("PullRequest", "variables", tag, kLen);
+        if (absl::Status s = c.ReadLength(&v, "PullRequest.variables"); !s.ok()) return s;
+        c.Skip(v);
+        ++num_variables_;
+        return absl::OkStatus();
+      case 3:
+        if (tag.type != kVarint) return WrongType("PullRequest", "max_chunk_bytes", tag, kVarint);
+        if (absl::Status s = c.ReadVarint(&v, "PullRequest.max_chunk_bytes"); !s.ok()) return s;
+        max_chunk_bytes_ = static_cast<int64_t>(v);
+        return absl::OkStatus();
+      case 4:
+        if (tag.type != kLen) return WrongType("PullRequest", "ranges", tag, kLen);
+        if (absl::Status s = c.ReadLength(&v, "PullRequest.ranges"); !s.ok()) return s;
+        ++num_ranges_;
+        return Nested(&c, v, [&] { return DecodePullRange(&c, bytes_, nullptr); });
+      default:
+        return SkipField(&c, tag, 0);
+    }
+  });
+}
+
+// The message was checked by Parse, so nothing here can fail; a failure
+// would end the walk early.
+bool PullRequestView::Walker::NextEntry(uint32_t field, absl::string_view* body) {
+  Cursor c(absl::MakeConstSpan(&bytes_, 1));
+  c.Skip(pos_);
+  bool found = false;
+  while (!found && !c.AtLimit()) {
+    FieldTag tag;
+    uint64_t len = 0;
+    if (!ReadTag(&c, &tag).ok()) break;
+    if (tag.field == field && tag.type == kLen) {
+      if (!c.ReadLength(&len, "entry").ok()) break;
+      *body = bytes_.substr(c.pos(), len);
+      c.Skip(len);
+      found = true;
+    } else if (!SkipField(&c, tag, 0).ok()) {
+      break;
+    }
+  }
+  pos_ = found ? c.pos() : bytes_.size();
+  return found;
+}
+
+bool PullRequestView::Walker::NextRange(PullRangeFields* out) {
+  absl::string_view body;
+  if (!NextEntry(4, &body)) return false;
+  *out = PullRangeFields();
+  Cursor c(absl::MakeConstSpan(&body, 1));
+  return DecodePullRange(&c, body, out).ok();
+}
+
+bool PullRequestView::Walker::NextVariable(absl::string_view* out) { return NextEntry(2, out); }
+
 absl::Status DumpPieces(const grpc::ByteBuffer& buffer, std::vector<grpc::Slice>* slices,
                         std::vector<absl::string_view>* pieces) {
   slices->clear();

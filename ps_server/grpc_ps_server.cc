@@ -304,9 +304,26 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::ServerStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
             [](Service* s, grpc::ServerContext* ctx, const grpc::ByteBuffer* bytes,
                grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-              PullRequest request;
-              absl::Status parsed = ParseRequest(*bytes, "Pull: the request", &request);
-              if (!parsed.ok()) return ToGrpcStatus(parsed);
+              // Read in place (common/grpc_wire.h): a request costs its
+              // own bytes, once, however many ranges it names.
+              std::vector<grpc::Slice> slices;
+              std::vector<absl::string_view> pieces;
+              std::string joined;
+              wire::PullRequestView request;
+              absl::Status parsed = wire::DumpPieces(*bytes, &slices, &pieces);
+              if (parsed.ok()) {
+                absl::string_view all = pieces.size() == 1 ? pieces[0] : absl::string_view();
+                if (pieces.size() > 1) {
+                  for (absl::string_view piece : pieces) joined.append(piece.data(), piece.size());
+                  all = joined;
+                  slices.clear();
+                }
+                parsed = request.Parse(all);
+              }
+              if (!parsed.ok()) {
+                return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat(
+                    "Pull: the request is not a valid PullRequest: ", parsed.message())));
+              }
               return ToGrpcStatus(s->DoPull(ctx, request, writer));
             },
             this)));
@@ -704,41 +721,62 @@ class PsServer::Service final : public grpc::Service {
     return status;
   }
 
-  absl::Status DoPull(grpc::ServerContext* context, const PullRequest& request,
+  absl::Status DoPull(grpc::ServerContext* context, const wire::PullRequestView& request,
                       grpc::ServerWriter<grpc::ByteBuffer>* writer) {
-    // What to read: elements [begin, end) of each part, in order. The names
-    // point into the request or into `all`, and each message is cut just
-    // before it is sent: the memory a request costs is bounded by its size,
-    // not by the element counts it names.
+    // What to read: elements [begin, end) of each part, in order, taken one
+    // span at a time from the request (or from `all`) while the messages
+    // are cut, so that the memory a request costs is bounded by its size,
+    // not by the number of ranges or the element counts it names. The names
+    // point into the request or into `all`.
     struct Span {
       absl::string_view variable;
       int64_t begin, end;
     };
-    std::vector<Span> spans;
     std::vector<PartSnapshot> all;  // an empty request's parts
-    if (!request.ranges().empty()) {
-      spans.reserve(request.ranges_size());
-      for (const PullRange& range : request.ranges()) {
-        PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(range.variable()));
-        if (range.offset() < 0 || range.count() < 0 ||
-            range.count() > part.num_elements - range.offset()) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "Pull: range of '", range.variable(), "' covers elements [", range.offset(), ",",
-              RangeEnd(range.offset(), range.count()), ") but its part on ps shard ",
-              store_->options().shard_index, " has ", part.num_elements, " elements"));
-        }
-        spans.push_back({range.variable(), range.offset(), range.offset() + range.count()});
+    size_t next_part = 0;
+    wire::PullRequestView::Walker walker = request.Walk();
+    const int shard = store_->options().shard_index;
+    // Checks a span (always, so the walk below can meet no surprise).
+    auto check = [&](const wire::PullRangeFields& range) -> absl::Status {
+      PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(range.variable));
+      if (range.offset < 0 || range.count < 0 || range.count > part.num_elements - range.offset) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("Pull: range of '", range.variable, "' covers elements [", range.offset,
+                         ",", RangeEnd(range.offset, range.count), ") but its part on ps shard ",
+                         shard, " has ", part.num_elements, " elements"));
       }
-    } else if (request.variables().empty()) {
-      all = store_->ListParts();
-      for (const PartSnapshot& part : all) spans.push_back({part.def.variable, 0, part.num_elements});
-    } else {
-      spans.reserve(request.variables_size());
-      for (const std::string& name : request.variables()) {
+      return absl::OkStatus();
+    };
+    // The next span of the request; false after the last.
+    auto next_span = [&](Span* span) -> absl::StatusOr<bool> {
+      if (request.num_ranges() > 0) {
+        wire::PullRangeFields range;
+        if (!walker.NextRange(&range)) return false;
+        PSFLOW_RETURN_IF_ERROR(check(range));
+        *span = {range.variable, range.offset, range.offset + range.count};
+        return true;
+      }
+      if (request.num_variables() > 0) {
+        absl::string_view name;
+        if (!walker.NextVariable(&name)) return false;
         PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(name));
-        spans.push_back({name, 0, part.num_elements});
+        *span = {name, 0, part.num_elements};
+        return true;
       }
+      if (next_part == all.size()) return false;
+      const PartSnapshot& part = all[next_part++];
+      *span = {part.def.variable, 0, part.num_elements};
+      return true;
+    };
+    if (request.num_ranges() == 0 && request.num_variables() == 0) all = store_->ListParts();
+    // Every name and range is checked before anything is sent, as a whole
+    // request is refused or served.
+    Span span;
+    for (bool more = true; more;) {
+      PSFLOW_ASSIGN_OR_RETURN(more, next_span(&span));
     }
+    walker = request.Walk();
+    next_part = 0;
     int64_t chunk_bytes = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
                                                         : kDefaultPullChunkBytes;
     chunk_bytes = std::max<int64_t>(4, std::min(chunk_bytes, store_->options().max_chunk_bytes));
@@ -755,27 +793,31 @@ class PsServer::Service final : public grpc::Service {
     std::vector<PinnedValues> pinned;
     std::vector<int64_t> versions;
     std::string tail;
-    size_t next = 0;  // the span being sent
-    int64_t at = spans.empty() ? 0 : spans[0].begin;
-    auto skip_sent = [&] {
-      while (next < spans.size() && at >= spans[next].end) {
-        if (++next < spans.size()) at = spans[next].begin;
+    // `span` is the one being sent, from element `at`, while `have`.
+    PSFLOW_ASSIGN_OR_RETURN(bool have, next_span(&span));
+    int64_t at = have ? span.begin : 0;
+    auto skip_sent = [&]() -> absl::Status {
+      while (have && at >= span.end) {
+        PSFLOW_ASSIGN_OR_RETURN(have, next_span(&span));
+        if (have) at = span.begin;
       }
+      return absl::OkStatus();
     };
-    skip_sent();
-    while (next < spans.size()) {
+    PSFLOW_RETURN_IF_ERROR(skip_sent());
+    while (have) {
       // Large pieces are sent from where the values lie, pinned until gRPC
       // has written them (a push meanwhile writes a copy); the segments'
       // prefixes and small pieces are copied into one pooled buffer.
       pieces.clear();
       size_t copied = 0;
-      for (int64_t in_msg = 0; next < spans.size() && in_msg < chunk_elements; skip_sent()) {
-        const int64_t take = std::min(spans[next].end - at, chunk_elements - in_msg);
-        pieces.push_back({spans[next].variable, at, take});
-        copied += wire::SegmentPrefixSize(1, spans[next].variable, at, take * 4) +
+      for (int64_t in_msg = 0; have && in_msg < chunk_elements;) {
+        const int64_t take = std::min(span.end - at, chunk_elements - in_msg);
+        pieces.push_back({span.variable, at, take});
+        copied += wire::SegmentPrefixSize(1, span.variable, at, take * 4) +
                   (take * 4 >= kPinnedPieceBytes ? 0 : take * 4);
         at += take;
         in_msg += take;
+        PSFLOW_RETURN_IF_ERROR(skip_sent());
       }
       BufferPool::Buffer* buf = pool_->Get(copied);
       const grpc::Slice copies(buf->data.get(), copied, &BufferPool::Return, buf);

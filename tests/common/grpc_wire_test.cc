@@ -22,6 +22,7 @@
 namespace psflow::wire {
 namespace {
 
+using test_support::ComparePullRequestWithProtobuf;
 using test_support::CompareWithProtobuf;
 using test_support::SegmentData;
 
@@ -379,6 +380,79 @@ TEST(GrpcWireTest, MutatedPushRequestsDecodeAsProtobufParsesThem) {
 
 TEST(GrpcWireTest, MutatedPullResponsesDecodeAsProtobufParsesThem) {
   FuzzAgainstProtobuf(MessageKind::kPullResponse, 2);
+}
+
+// A valid PullRequest with random contents, serialized by protobuf.
+std::string RandomPullRequest(std::mt19937_64& rng) {
+  auto pick = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };
+  auto name = [&] {
+    std::string out(pick(12), 'a');
+    for (char& ch : out) ch = static_cast<char>('a' + pick(26));
+    return out;
+  };
+  PullRequest m;
+  if (pick(2)) m.set_worker_id(static_cast<int32_t>(rng()));
+  if (pick(2)) m.set_max_chunk_bytes(pick(2) ? static_cast<int64_t>(pick(1 << 20)) : rng());
+  for (uint64_t i = pick(4); i > 0; --i) m.add_variables(name());
+  for (uint64_t i = pick(4); i > 0; --i) {
+    PullRange* r = m.add_ranges();
+    r->set_variable(name());
+    if (pick(2)) r->set_offset(pick(2) ? static_cast<int64_t>(pick(1000)) : rng());
+    if (pick(2)) r->set_count(pick(2) ? static_cast<int64_t>(pick(1000)) : rng());
+  }
+  return m.SerializeAsString();
+}
+
+TEST(GrpcWireTest, MutatedPullRequestsReadAsProtobufParsesThem) {
+  std::mt19937_64 rng(3);
+  int refused = 0;
+  constexpr int kCases = 20000;
+  for (int i = 0; i < kCases; ++i) {
+    std::string bytes = RandomPullRequest(rng);
+    const bool mutated = rng() % 8 != 0;  // some stay valid, to check the fields
+    if (mutated) {
+      for (uint64_t m = 1 + rng() % 3; m > 0; --m) Mutate(&bytes, rng);
+    }
+    const std::string diff = ComparePullRequestWithProtobuf(bytes);
+    ASSERT_EQ(diff, "") << "case " << i << ": \"" << absl::CHexEscape(bytes) << "\"";
+    PullRequestView view;
+    const bool ok = view.Parse(bytes).ok();
+    ASSERT_TRUE(ok || mutated) << "a valid request was refused";
+    refused += !ok;
+  }
+  EXPECT_GT(refused, kCases / 10);
+  EXPECT_LT(refused, kCases * 9 / 10);
+}
+
+// A request of many ranges is read one range at a time: the view holds no
+// record per range.
+TEST(GrpcWireTest, PullRequestViewWalksRangesInPlace) {
+  PullRequest m;
+  m.set_max_chunk_bytes(1 << 20);
+  for (int i = 0; i < 100000; ++i) {
+    PullRange* r = m.add_ranges();
+    r->set_variable(i % 2 ? "bias" : "kernel");
+    r->set_offset(i);
+    r->set_count(i % 7);
+  }
+  const std::string bytes = m.SerializeAsString();
+  PullRequestView view;
+  ASSERT_TRUE(view.Parse(bytes).ok());
+  EXPECT_EQ(view.num_ranges(), 100000u);
+  EXPECT_EQ(view.num_variables(), 0u);
+  EXPECT_EQ(view.max_chunk_bytes(), 1 << 20);
+  PullRequestView::Walker walk = view.Walk();
+  PullRangeFields range;
+  int i = 0;
+  for (; walk.NextRange(&range); ++i) {
+    ASSERT_EQ(range.variable, i % 2 ? "bias" : "kernel");
+    ASSERT_EQ(range.offset, i);
+    ASSERT_EQ(range.count, i % 7);
+    // The name lies in the request's bytes.
+    ASSERT_TRUE(range.variable.data() >= bytes.data() &&
+                range.variable.data() + range.variable.size() <= bytes.data() + bytes.size());
+  }
+  EXPECT_EQ(i, 100000);
 }
 
 }  // namespace

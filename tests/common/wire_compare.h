@@ -123,6 +123,64 @@ inline std::string CompareWithProtobuf(MessageKind kind, const std::string& byte
   return "";
 }
 
+// The same for a PullRequest read by PullRequestView (a single piece: the
+// shard joins a request's slices).
+inline std::string ComparePullRequestWithProtobuf(const std::string& bytes) {
+  PullRequestView ours;
+  const absl::Status status = ours.Parse(bytes);
+  std::unique_ptr<google::protobuf::Message> theirs =
+      psflow::test_support::NewBytesVariant("psflow.PullRequest");
+  const bool protobuf_ok = theirs->ParseFromString(bytes);
+  if (!status.ok()) {
+    if (status.code() != absl::StatusCode::kInvalidArgument) {
+      return absl::StrCat("error of the wrong code: ", status.ToString());
+    }
+    if (protobuf_ok && status.message().find("has wire type") == absl::string_view::npos) {
+      return absl::StrCat("protobuf parses it but the reader says: ", status.ToString());
+    }
+    return "";
+  }
+  if (!protobuf_ok) return "the reader accepts what protobuf refuses";
+  const google::protobuf::Reflection& r = *theirs->GetReflection();
+  if (ours.worker_id() != r.GetInt32(*theirs, Field(*theirs, "worker_id")) ||
+      ours.max_chunk_bytes() != r.GetInt64(*theirs, Field(*theirs, "max_chunk_bytes"))) {
+    return "worker_id or max_chunk_bytes differs";
+  }
+  const google::protobuf::FieldDescriptor* ranges = Field(*theirs, "ranges");
+  const google::protobuf::FieldDescriptor* variables = Field(*theirs, "variables");
+  if (static_cast<int>(ours.num_ranges()) != r.FieldSize(*theirs, ranges) ||
+      static_cast<int>(ours.num_variables()) != r.FieldSize(*theirs, variables)) {
+    return absl::StrCat(ours.num_ranges(), " ranges and ", ours.num_variables(),
+                        " variables; protobuf ", r.FieldSize(*theirs, ranges), " and ",
+                        r.FieldSize(*theirs, variables));
+  }
+  PullRequestView::Walker walk = ours.Walk();
+  for (int i = 0; i < r.FieldSize(*theirs, ranges); ++i) {
+    PullRangeFields range;
+    if (!walk.NextRange(&range)) return absl::StrCat("the walk ended at range ", i);
+    const google::protobuf::Message& t = r.GetRepeatedMessage(*theirs, ranges, i);
+    const google::protobuf::Reflection& tr = *t.GetReflection();
+    if (range.variable != tr.GetString(t, Field(t, "variable")) ||
+        range.offset != tr.GetInt64(t, Field(t, "offset")) ||
+        range.count != tr.GetInt64(t, Field(t, "count"))) {
+      return absl::StrCat("range ", i, " differs");
+    }
+  }
+  PullRangeFields extra;
+  if (walk.NextRange(&extra)) return "the walk found a range too many";
+  walk = ours.Walk();
+  for (int i = 0; i < r.FieldSize(*theirs, variables); ++i) {
+    absl::string_view name;
+    if (!walk.NextVariable(&name)) return absl::StrCat("the walk ended at variable ", i);
+    if (name != r.GetRepeatedString(*theirs, variables, i)) {
+      return absl::StrCat("variable ", i, " differs");
+    }
+  }
+  absl::string_view name;
+  if (walk.NextVariable(&name)) return "the walk found a variable too many";
+  return "";
+}
+
 }  // namespace psflow::wire::test_support
 
 #endif  // PSFLOW_TESTS_COMMON_WIRE_COMPARE_H_
