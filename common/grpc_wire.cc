@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/stubs/common.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/slice.h"
 
@@ -18,7 +19,9 @@ enum WireType : uint32_t {
   kEndGroup = 4,
   kFixed32 = 5
 };
-constexpr int kMaxGroupDepth = 64;
+// protobuf's default recursion limit: groups and nested messages together
+// may nest this deep.
+constexpr int kMaxDepth = 100;
 
 size_t VarintSize(uint64_t v) {
   size_t n = 1;
@@ -92,9 +95,16 @@ class Cursor {
   }
 
   // Reads a length prefix and checks that the field fits inside the limit.
+  // As protobuf, at most 5 bytes and below 2^31 (a length padded with
+  // continuation bytes is refused).
   absl::Status ReadLength(uint64_t* len, const char* what) {
     const uint64_t at = pos_;
     if (absl::Status s = ReadVarint(len, what); !s.ok()) return s;
+    if (pos_ - at > 5 || *len >= (uint64_t{1} << 31)) {
+      return absl::InvalidArgumentError(absl::StrCat("malformed message: length of ", what,
+                                                     " at byte ", at, " takes ", pos_ - at,
+                                                     " bytes or is 2^31 or more"));
+    }
     if (*len > Left()) {
       return absl::InvalidArgumentError(absl::StrCat("malformed message: ", what, " at byte ",
                                                      at, " claims ", *len, " bytes but only ",
@@ -180,6 +190,7 @@ absl::Status ReadTag(Cursor* c, FieldTag* tag) {
 }
 
 // Skips the value of an unknown field, as protobuf does (groups included).
+// `depth`: the messages and groups the field lies in (0 at the top level).
 absl::Status SkipField(Cursor* c, const FieldTag& tag, int depth) {
   uint64_t v;
   switch (tag.type) {
@@ -198,7 +209,7 @@ absl::Status SkipField(Cursor* c, const FieldTag& tag, int depth) {
       c->Skip(v);
       return absl::OkStatus();
     case kStartGroup:
-      if (depth >= kMaxGroupDepth) {
+      if (depth >= kMaxDepth) {
         return absl::InvalidArgumentError("malformed message: groups nested too deeply");
       }
       while (true) {
@@ -280,7 +291,7 @@ absl::Status DecodeSegment(Cursor* c, DecodedMessage* out, DecodedSegment* seg) 
         seg->num_runs = out->data_runs.size() - seg->first_run;
         return absl::OkStatus();
       default:
-        return SkipField(c, tag, 0);
+        return SkipField(c, tag, 1);
     }
   });
 }
@@ -303,7 +314,7 @@ absl::Status DecodePushHeader(Cursor* c, PushHeaderFields* h) {
         if (tag.type != kFixed64) return WrongType("PushHeader", "request_id", tag, kFixed64);
         return c->ReadFixed(8, &h->request_id, "PushHeader.request_id");
       default:
-        return SkipField(c, tag, 0);
+        return SkipField(c, tag, 1);
     }
   });
 }
@@ -479,6 +490,19 @@ absl::Status Decode(MessageKind kind, absl::Span<const absl::string_view> pieces
 
 namespace {
 
+// Skips the next `len` bytes of `bytes` (the cursor's one piece), a proto3
+// string, refused as protobuf refuses it when it is not UTF-8.
+absl::Status SkipUtf8(Cursor* c, absl::string_view bytes, uint64_t len, const char* what) {
+  const absl::string_view text = bytes.substr(c->pos(), len);
+  if (!google::protobuf::internal::IsStructurallyValidUTF8(text.data(),
+                                                           static_cast<int>(text.size()))) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed message: ", what, " at byte ", c->pos(), " is not UTF-8"));
+  }
+  c->Skip(len);
+  return absl::OkStatus();
+}
+
 // A PullRange's fields; with `out` null, only checks them.
 absl::Status DecodePullRange(Cursor* c, absl::string_view bytes, PullRangeFields* out) {
   static const char* const kNames[] = {"", "variable", "offset", "count"};
@@ -489,8 +513,7 @@ absl::Status DecodePullRange(Cursor* c, absl::string_view bytes, PullRangeFields
         if (tag.type != kLen) return WrongType("PullRange", "variable", tag, kLen);
         if (absl::Status s = c->ReadLength(&v, "PullRange.variable"); !s.ok()) return s;
         if (out != nullptr) out->variable = bytes.substr(c->pos(), v);  // the last one wins
-        c->Skip(v);
-        return absl::OkStatus();
+        return SkipUtf8(c, bytes, v, "PullRange.variable");
       case 2:
       case 3:
         if (tag.type != kVarint) return WrongType("PullRange", kNames[tag.field], tag, kVarint);
@@ -498,7 +521,7 @@ absl::Status DecodePullRange(Cursor* c, absl::string_view bytes, PullRangeFields
         if (out != nullptr) (tag.field == 2 ? out->offset : out->count) = static_cast<int64_t>(v);
         return absl::OkStatus();
       default:
-        return SkipField(c, tag, 0);
+        return SkipField(c, tag, 1);
     }
   });
 }
@@ -520,9 +543,8 @@ absl::Status PullRequestView::Parse(absl::string_view bytes) {
       case 2:
         if (tag.type != kLen) return WrongType("PullRequest", "variables", tag, kLen);
         if (absl::Status s = c.ReadLength(&v, "PullRequest.variables"); !s.ok()) return s;
-        c.Skip(v);
         ++num_variables_;
-        return absl::OkStatus();
+        return SkipUtf8(&c, bytes_, v, "PullRequest.variables");
       case 3:
         if (tag.type != kVarint) return WrongType("PullRequest", "max_chunk_bytes", tag, kVarint);
         if (absl::Status s = c.ReadVarint(&v, "PullRequest.max_chunk_bytes"); !s.ok()) return s;

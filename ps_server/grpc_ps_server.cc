@@ -738,12 +738,12 @@ class PsServer::Service final : public grpc::Service {
     const int shard = store_->options().shard_index;
     // Checks a span (always, so the walk below can meet no surprise).
     auto check = [&](const wire::PullRangeFields& range) -> absl::Status {
-      PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(range.variable));
-      if (range.offset < 0 || range.count < 0 || range.count > part.num_elements - range.offset) {
+      PSFLOW_ASSIGN_OR_RETURN(const int64_t elements, store_->PartElements(range.variable));
+      if (range.offset < 0 || range.count < 0 || range.count > elements - range.offset) {
         return absl::InvalidArgumentError(
             absl::StrCat("Pull: range of '", range.variable, "' covers elements [", range.offset,
                          ",", RangeEnd(range.offset, range.count), ") but its part on ps shard ",
-                         shard, " has ", part.num_elements, " elements"));
+                         shard, " has ", elements, " elements"));
       }
       return absl::OkStatus();
     };
@@ -759,8 +759,8 @@ class PsServer::Service final : public grpc::Service {
       if (request.num_variables() > 0) {
         absl::string_view name;
         if (!walker.NextVariable(&name)) return false;
-        PSFLOW_ASSIGN_OR_RETURN(PartSnapshot part, store_->GetPart(name));
-        *span = {name, 0, part.num_elements};
+        PSFLOW_ASSIGN_OR_RETURN(const int64_t elements, store_->PartElements(name));
+        *span = {name, 0, elements};
         return true;
       }
       if (next_part == all.size()) return false;

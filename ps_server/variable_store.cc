@@ -981,6 +981,11 @@ absl::StatusOr<PartSnapshot> VariableStore::GetPart(absl::string_view variable) 
   return PartSnapshot{part->def, part->num_elements, part->version.load()};
 }
 
+absl::StatusOr<int64_t> VariableStore::PartElements(absl::string_view variable) const {
+  PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
+  return part->num_elements;
+}
+
 uint64_t VariableStore::plan_fingerprint() const {
   absl::ReaderMutexLock lock(&parts_mu_);
   return plan_fingerprint_;

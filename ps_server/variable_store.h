@@ -329,6 +329,9 @@ class VariableStore {
   // Definitions and versions of every part, in name order.
   std::vector<PartSnapshot> ListParts() const;
   absl::StatusOr<PartSnapshot> GetPart(absl::string_view variable) const;
+  // The elements of `variable`'s part, or GetPart's NOT_FOUND; allocates
+  // nothing (a pull checks every range it is asked for).
+  absl::StatusOr<int64_t> PartElements(absl::string_view variable) const;
   uint64_t plan_fingerprint() const;
   StoreStats stats() const;
   // The bound on parameters and slots that registration enforces, resolved

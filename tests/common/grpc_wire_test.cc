@@ -177,7 +177,8 @@ TEST(GrpcWireTest, MalformedInputIsInvalidArgument) {
       {"varint over 10 bytes", std::string("\x28") + std::string(11, '\xff'), "longer than 10"},
       {"length past the end", std::string("\x12\x05\x0a\x01", 4), "claims 5 bytes"},
       {"inner length past the segment", std::string("\x12\x02\x1a\x09", 4), "claims 9 bytes"},
-      {"huge length", std::string("\x12\xff\xff\xff\xff\x0f", 6), "claims"},
+      {"huge length", std::string("\x12\xff\xff\xff\xff\x0f", 6), "2^31 or more"},
+      {"length past the end", std::string("\x12\xff\xff\xff\x07", 5), "claims"},
       {"truncated fixed64", std::string("\x0a\x02\x21\x00", 4), "needs 8 bytes"},
       {"segments with varint type", std::string("\x10\x01", 2), "wire type 0", false},
       {"header with fixed32 type", std::string("\x0d\x00\x00\x00\x00", 5), "wire type 5", false},
@@ -404,6 +405,8 @@ std::string RandomPullRequest(std::mt19937_64& rng) {
 }
 
 TEST(GrpcWireTest, MutatedPullRequestsReadAsProtobufParsesThem) {
+  // protobuf logs each name that is not UTF-8; here they are many.
+  google::protobuf::LogHandler* old_handler = google::protobuf::SetLogHandler(nullptr);
   std::mt19937_64 rng(3);
   int refused = 0;
   constexpr int kCases = 20000;
@@ -420,8 +423,72 @@ TEST(GrpcWireTest, MutatedPullRequestsReadAsProtobufParsesThem) {
     ASSERT_TRUE(ok || mutated) << "a valid request was refused";
     refused += !ok;
   }
+  google::protobuf::SetLogHandler(old_handler);
   EXPECT_GT(refused, kCases / 10);
   EXPECT_LT(refused, kCases * 9 / 10);
+}
+
+// Where protobuf's parser draws its lines, the decoders draw them too: names
+// that are not UTF-8 in a pull request (also one never looked up), lengths
+// padded past 5 bytes, groups nested 100 deep (99 inside a message).
+TEST(GrpcWireTest, DecodersRefuseWhatProtobufRefusesAtItsLimits) {
+  google::protobuf::LogHandler* old_handler = google::protobuf::SetLogHandler(nullptr);
+  auto groups = [](int n) { return std::string(n, '\x2b') + std::string(n, '\x2c'); };
+  auto in_range = [](const std::string& body) {
+    std::string out = "\x22";
+    AppendVarint(&out, body.size());
+    return out + body;
+  };
+  auto in_segment = [](const std::string& body) {
+    std::string out = "\x12";
+    AppendVarint(&out, body.size());
+    return out + body;
+  };
+  const std::string range_a =
+      in_range(std::string("\x0a\x01"
+                           "a\x18\x01",
+                           5));
+  struct Case {
+    const char* what;
+    std::string bytes;
+    bool valid;  // for protobuf
+  };
+  const std::vector<Case> pulls = {
+      {"a name that is not UTF-8 beside ranges", range_a + "\x12\x01\xff", false},
+      {"a range's first name is not UTF-8",
+       in_range("\x0a\x01\xff\x0a\x01"
+                "a"),
+       false},
+      {"a UTF-8 name of two bytes", in_range("\x0a\x02\xc3\xa9"), true},
+      {"a length padded to 6 bytes", std::string("\x2a\x80\x80\x80\x80\x80\x00", 7), false},
+      {"a length padded to 5 bytes", std::string("\x2a\x80\x80\x80\x80\x00", 6), true},
+      {"a length of 2^28", std::string("\x2a\x80\x80\x80\x80\x01", 6), false},
+      {"100 nested groups", groups(100), true},
+      {"101 nested groups", groups(101), false},
+      {"99 nested groups in a range", in_range(groups(99)), true},
+      {"100 nested groups in a range", in_range(groups(100)), false},
+  };
+  for (const Case& c : pulls) {
+    PullRequest parsed;
+    ASSERT_EQ(parsed.ParseFromString(c.bytes), c.valid) << c.what << ": the case is wrong";
+    PullRequestView view;
+    EXPECT_EQ(view.Parse(c.bytes).ok(), c.valid) << c.what;
+    EXPECT_EQ(ComparePullRequestWithProtobuf(c.bytes), "") << c.what;
+  }
+  const std::vector<Case> pushes = {
+      {"a length padded to 6 bytes", std::string("\x2a\x80\x80\x80\x80\x80\x00", 7), false},
+      {"a length padded to 5 bytes", std::string("\x2a\x80\x80\x80\x80\x00", 6), true},
+      {"100 nested groups", groups(100), true},
+      {"101 nested groups", groups(101), false},
+      {"99 nested groups in a segment", in_segment(groups(99)), true},
+      {"100 nested groups in a segment", in_segment(groups(100)), false},
+  };
+  for (const Case& c : pushes) {
+    PushRequest parsed;
+    ASSERT_EQ(parsed.ParseFromString(c.bytes), c.valid) << c.what << ": the case is wrong";
+    EXPECT_EQ(DecodePush(c.bytes).ok(), c.valid) << c.what;
+  }
+  google::protobuf::SetLogHandler(old_handler);
 }
 
 // A request of many ranges is read one range at a time: the view holds no

@@ -1,8 +1,8 @@
-// protobuf's parser for psflow.proto with the variable names of Segment,
-// PullRange and PullRequest declared `bytes` instead of `string`: the same
-// wire format, without proto3's UTF-8 check. The shard's own decoders
-// (common/grpc_wire.h) leave that check to the variable lookup (no variable has a name that is not
-// UTF-8, so such a segment is NOT_FOUND); tests compare it with this parser.
+// protobuf's parser for psflow.proto with Segment.variable declared `bytes`
+// instead of `string`: the same wire format, without proto3's UTF-8 check.
+// The shard's zero-copy push decoder (common/grpc_wire.h) leaves that check
+// to the variable lookup (no variable has a name that is not UTF-8, so such
+// a segment is NOT_FOUND); tests compare it with this parser.
 #ifndef PSFLOW_TESTS_COMMON_PROTO_BYTES_VARIANT_H_
 #define PSFLOW_TESTS_COMMON_PROTO_BYTES_VARIANT_H_
 
@@ -27,9 +27,7 @@ inline std::unique_ptr<google::protobuf::Message> NewBytesVariant(const std::str
     PushRequest::descriptor()->file()->CopyTo(&file);
     for (google::protobuf::DescriptorProto& m : *file.mutable_message_type()) {
       for (google::protobuf::FieldDescriptorProto& f : *m.mutable_field()) {
-        if ((m.name() == "Segment" && f.name() == "variable") ||
-            (m.name() == "PullRange" && f.name() == "variable") ||
-            (m.name() == "PullRequest" && f.name() == "variables")) {
+        if (m.name() == "Segment" && f.name() == "variable") {
           f.set_type(google::protobuf::FieldDescriptorProto::TYPE_BYTES);
         }
       }
