@@ -28,6 +28,7 @@
 
 #include "benchmark/benchmark.h"
 #include "common/kernel_clones.h"
+#include "common/tensor_checks.h"
 #include "ps_server/optimizer.h"
 
 namespace psflow::server {
@@ -148,7 +149,29 @@ void BM_Adagrad(benchmark::State& state) {  // reads p, acc, g; writes p, acc
   RunOptimizer(state, OptimizerOptions::Kind::kAdagrad, 0.0f, 20);
 }
 
+// The NaN/Inf scan of a gradient (4 bytes read per element) as a push's
+// client runs it before sending: on range(1) threads of its own
+// (AnyNonFinite), the caller's among them. Its arrays are those of the
+// optimizer at the same size, so at model size they may be in cache, as a
+// gradient just computed would be.
+void BM_NonFiniteScan(benchmark::State& state) {
+  const int64_t n = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  Arrays& arr = GetArrays("optimizer", n);
+  const std::vector<FloatRange> grad = {{arr.d.get(), n}};
+  for (auto _ : state) {
+    if (AnyNonFinite(grad, threads)) std::abort();
+  }
+  SetCounters(state, n, 4);
+}
+
 BENCHMARK(BM_Triad)->Arg(kOutOfCache)->Arg(kModelSize)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_NonFiniteScan)
+    ->Args({kOutOfCache, 1})
+    ->Args({kOutOfCache, 2})
+    ->Args({kModelSize, 1})
+    ->Args({kModelSize, 2})
+    ->UseRealTime();
 BENCHMARK(BM_Adam)->Arg(kOutOfCache)->Arg(kModelSize)->Threads(1)->Threads(2)->UseRealTime();
 BENCHMARK(BM_SgdPlain)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();

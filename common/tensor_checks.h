@@ -4,6 +4,7 @@
 #define PSFLOW_COMMON_TENSOR_CHECKS_H_
 
 #include <cstdint>
+#include <vector>
 
 namespace psflow {
 
@@ -12,6 +13,20 @@ namespace psflow {
 // range, compiled for AVX-512, AVX2 and baseline x86-64 (chosen at load
 // time), then a second pass only when something was found.
 int64_t FirstNonFinite(const void* data, int64_t n);
+
+struct FloatRange {
+  const float* data;
+  int64_t n;
+};
+
+// Whether any of `tensors` holds a NaN or Inf, scanned by up to `threads`
+// threads (the caller's among them), each given at least `min_part`
+// elements of the tensors laid end to end. One core does not reach the
+// machine's memory bandwidth, and a client's scan is on its push's
+// critical path. A thread that cannot be started leaves its part to the
+// caller.
+bool AnyNonFinite(const std::vector<FloatRange>& tensors, int threads,
+                  int64_t min_part = int64_t{1} << 20);
 
 }  // namespace psflow
 

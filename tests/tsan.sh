@@ -53,7 +53,7 @@ EOF
   touch "$absl/lib/.built"
 fi
 
-targets=(variable_store_test worker_data_test)
+targets=(variable_store_test worker_data_test tensor_checks_test)
 cmake -S "$here" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSFLOW_SANITIZE=thread \
   -DPSFLOW_BUILD_BENCH=OFF -DPSFLOW_ENABLE_CUDA=OFF
 cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"
@@ -69,4 +69,4 @@ fi
 # expects std::bad_alloc, which TSan's allocator would otherwise abort on.
 export TSAN_OPTIONS="suppressions=$here/tests/tsan.supp:allocator_may_return_null=1:halt_on_error=1:second_deadlock_stack=1"
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$JOBS" --timeout 900 --no-tests=error \
-  -R '^(VariableStoreTest|BatcherTest)\.' "$@"
+  -R '^(VariableStoreTest|BatcherTest|TensorChecksTest)\.' "$@"

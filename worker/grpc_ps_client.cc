@@ -176,6 +176,8 @@ class GrpcPsClient final : public PsClient {
   GrpcPsClient(PartitionPlan plan, const GrpcPsClientOptions& options)
       : plan_(std::move(plan)),
         options_(options),
+        scan_threads_(std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1,
+                                      kMaxScanThreads)),
         push_retry_(PushRetryOptions(options)),
         shards_(plan_.num_shards()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
@@ -511,9 +513,18 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Refuses a gradient with NaN/Inf before anything is sent, so that no
-  // shard applies part of it.
+  // shard applies part of it. Nothing is sent, and no shard works, while it
+  // runs, and it runs at memory speed, so a large gradient is scanned on
+  // several cores at once (AnyNonFinite).
   absl::Status CheckFinite(absl::Span<const float* const> grads) const {
     if (!options_.check_finite) return absl::OkStatus();
+    std::vector<FloatRange> tensors;
+    tensors.reserve(grads.size());
+    for (size_t v = 0; v < grads.size(); ++v) {
+      tensors.push_back({grads[v], plan_.variables()[v].num_elements()});
+    }
+    if (!AnyNonFinite(tensors, scan_threads_)) return absl::OkStatus();
+    // Names the first bad element.
     for (size_t v = 0; v < grads.size(); ++v) {
       const int64_t bad = FirstNonFinite(grads[v], plan_.variables()[v].num_elements());
       if (bad >= 0) {
@@ -818,8 +829,12 @@ class GrpcPsClient final : public PsClient {
     return retry;
   }
 
+  // A gradient's NaN/Inf scan uses at most this many threads.
+  static constexpr int kMaxScanThreads = 8;
+
   const PartitionPlan plan_;
   const GrpcPsClientOptions options_;
+  const int scan_threads_;  // the cores, at most kMaxScanThreads
   const RetryOptions push_retry_;
   std::vector<Shard> shards_;
   absl::Mutex id_mu_;

@@ -845,6 +845,25 @@ TEST_F(RawPushTest, ClientRefusesNonFiniteGradientsBeforeSending) {
   EXPECT_THAT(Values(), ::testing::Each(0.0f));
 }
 
+// A gradient large enough to be scanned on several threads (4 MiB a part)
+// is refused for a NaN in its last element, and the error names it.
+TEST_F(PsClusterTest, ClientRefusesANonFiniteValueAtTheEndOfALargeGradient) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {3000, 1000}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
+  Tensors g = Make(vars, 1.0f);
+  g.data[1].back() = -std::numeric_limits<float>::infinity();
+  const absl::Status status = client->Push(g.cptrs(), {1, 0});
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(status.message(), HasSubstr("gradient of 'w' has a non-finite value (-inf) at "
+                                          "element 2999999; nothing was pushed"));
+  Tensors values = Make(vars, -99.0f);
+  ASSERT_TRUE(client->Pull(values.ptrs()).ok());
+  EXPECT_THAT(values.data[1], ::testing::Each(0.0f));
+}
+
 TEST_F(PsClusterTest, RegistrationConflictsAreFailedPrecondition) {
   StartCluster(2);
   const std::vector<VariableSpec> vars = {{"w", {4, 3}}};
