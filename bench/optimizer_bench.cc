@@ -151,16 +151,16 @@ void BM_Adagrad(benchmark::State& state) {  // reads p, acc, g; writes p, acc
 
 // The NaN/Inf scan of a gradient (4 bytes read per element) as a push's
 // client runs it before sending: on range(1) threads of its own
-// (AnyNonFinite), the caller's among them. Its arrays are those of the
-// optimizer at the same size, so at model size they may be in cache, as a
-// gradient just computed would be.
+// (AnyNonFinite, the caller's among them), in parts of 1 MiB or more here
+// (16 MiB by default) so that the seed model's size is split too. It
+// reads the optimizer's gradient array of the same size.
 void BM_NonFiniteScan(benchmark::State& state) {
   const int64_t n = state.range(0);
   const int threads = static_cast<int>(state.range(1));
   Arrays& arr = GetArrays("optimizer", n);
   const std::vector<FloatRange> grad = {{arr.d.get(), n}};
   for (auto _ : state) {
-    if (AnyNonFinite(grad, threads)) std::abort();
+    if (AnyNonFinite(grad, threads, /*min_part=*/int64_t{1} << 18)) std::abort();
   }
   SetCounters(state, n, 4);
 }

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
-#include <system_error>
+#include <exception>
 #include <thread>
 
 #include "common/kernel_clones.h"
@@ -68,7 +68,7 @@ bool AnyNonFinite(const std::vector<FloatRange>& tensors, int threads, int64_t m
   for (; started < parts; ++started) {
     try {
       helpers.emplace_back([&, p = started] { found[p] = scan(p); });
-    } catch (const std::system_error&) {
+    } catch (const std::exception&) {  // std::system_error, or std::bad_alloc
       break;
     }
   }

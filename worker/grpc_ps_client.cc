@@ -152,7 +152,7 @@ std::vector<absl::Status> RunInParallel(int n, const std::function<absl::Status(
   for (; started < n; ++started) {
     try {
       threads.emplace_back([&, i = started] { results[i] = fn(i); });
-    } catch (const std::system_error&) {
+    } catch (const std::exception&) {  // std::system_error, or std::bad_alloc
       break;
     }
   }
@@ -513,9 +513,9 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Refuses a gradient with NaN/Inf before anything is sent, so that no
-  // shard applies part of it. Nothing is sent, and no shard works, while it
-  // runs, and it runs at memory speed, so a large gradient is scanned on
-  // several cores at once (AnyNonFinite).
+  // shard applies part of it. Nothing of the push is sent while it runs,
+  // and it runs at memory speed, so a gradient of more than 32 MiB is
+  // scanned on several cores at once (AnyNonFinite).
   absl::Status CheckFinite(absl::Span<const float* const> grads) const {
     if (!options_.check_finite) return absl::OkStatus();
     std::vector<FloatRange> tensors;

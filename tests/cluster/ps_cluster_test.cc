@@ -845,11 +845,12 @@ TEST_F(RawPushTest, ClientRefusesNonFiniteGradientsBeforeSending) {
   EXPECT_THAT(Values(), ::testing::Each(0.0f));
 }
 
-// A gradient large enough to be scanned on several threads (4 MiB a part)
-// is refused for a NaN in its last element, and the error names it.
+// A gradient large enough to be scanned on several threads (16 MiB a part,
+// with 2 or more cores) is refused for a NaN in its last element, and the
+// error names it.
 TEST_F(PsClusterTest, ClientRefusesANonFiniteValueAtTheEndOfALargeGradient) {
   StartCluster(2);
-  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {3000, 1000}}};
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {9000, 1000}}};
   auto client = Client(vars);
   ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
@@ -858,7 +859,7 @@ TEST_F(PsClusterTest, ClientRefusesANonFiniteValueAtTheEndOfALargeGradient) {
   const absl::Status status = client->Push(g.cptrs(), {1, 0});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   EXPECT_THAT(status.message(), HasSubstr("gradient of 'w' has a non-finite value (-inf) at "
-                                          "element 2999999; nothing was pushed"));
+                                          "element 8999999; nothing was pushed"));
   Tensors values = Make(vars, -99.0f);
   ASSERT_TRUE(client->Pull(values.ptrs()).ok());
   EXPECT_THAT(values.data[1], ::testing::Each(0.0f));
