@@ -2,10 +2,10 @@
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
-#include <thread>
+#include <vector>
 
 #include "common/kernel_clones.h"
+#include "common/parallel_for.h"
 
 namespace psflow {
 namespace {
@@ -62,20 +62,7 @@ bool AnyNonFinite(const std::vector<FloatRange>& tensors, int threads, int64_t m
     return false;
   };
   std::vector<char> found(parts, 0);
-  std::vector<std::thread> helpers;
-  helpers.reserve(parts - 1);
-  int started = 1;
-  for (; started < parts; ++started) {
-    try {
-      helpers.emplace_back([&, p = started] { found[p] = scan(p); });
-    } catch (const std::exception&) {  // std::system_error, or std::bad_alloc
-      break;
-    }
-  }
-  for (int p = 0; p < parts; ++p) {
-    if (p == 0 || p >= started) found[p] = scan(p);
-  }
-  for (std::thread& t : helpers) t.join();
+  ParallelFor(parts, [&](int p) { found[p] = scan(p); });
   return std::find(found.begin(), found.end(), 1) != found.end();
 }
 

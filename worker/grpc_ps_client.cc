@@ -16,6 +16,7 @@
 #include "common/grpc_args.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
+#include "common/parallel_for.h"
 #include "common/status_macros.h"
 #include "common/tensor_checks.h"
 #include "grpcpp/grpcpp.h"
@@ -139,27 +140,11 @@ class PushEncoder {
   std::vector<grpc::Slice> slices_;  // the message so far
 };
 
-// Runs fn(i) for i in [0, n) in parallel (i = 0 on the calling thread) and
-// returns their statuses. When a thread cannot be started (a pid or memory
-// limit), the i without one run on the calling thread too, one after
-// another: slower, with the same results, instead of std::thread's
-// exception ending the process.
+// Runs fn(i) for i in [0, n) in parallel (ParallelFor) and returns their
+// statuses.
 std::vector<absl::Status> RunInParallel(int n, const std::function<absl::Status(int)>& fn) {
   std::vector<absl::Status> results(n);
-  std::vector<std::thread> threads;
-  threads.reserve(n > 0 ? n - 1 : 0);
-  int started = 1;  // fn(1) to fn(started - 1) have threads
-  for (; started < n; ++started) {
-    try {
-      threads.emplace_back([&, i = started] { results[i] = fn(i); });
-    } catch (const std::exception&) {  // std::system_error, or std::bad_alloc
-      break;
-    }
-  }
-  for (int i = 0; i < n; ++i) {
-    if (i == 0 || i >= started) results[i] = fn(i);
-  }
-  for (auto& t : threads) t.join();
+  ParallelFor(n, [&](int i) { results[i] = fn(i); });
   return results;
 }
 
