@@ -95,7 +95,7 @@ TEST(TensorChecksTest, SeveralTensorsAreScannedByParts) {
   // Parts of at least min_part: 8006 elements make one part of 10,000.
   storage[4][2998] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(AnyNonFinite(tensors, 8, /*min_part=*/10000));
-  EXPECT_TRUE(AnyNonFinite({}, 4) == false);
+  EXPECT_FALSE(AnyNonFinite({}, 4));
 }
 
 }  // namespace
