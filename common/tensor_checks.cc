@@ -61,6 +61,7 @@ bool AnyNonFinite(const std::vector<FloatRange>& tensors, int threads, int64_t m
     }
     return false;
   };
+  if (parts == 1) return scan(0);  // most pushes: nothing to allocate or start
   std::vector<char> found(parts, 0);
   ParallelFor(parts, [&](int p) { found[p] = scan(p); });
   return std::find(found.begin(), found.end(), 1) != found.end();

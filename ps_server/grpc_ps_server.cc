@@ -735,24 +735,14 @@ class PsServer::Service final : public grpc::Service {
     std::vector<PartSnapshot> all;  // an empty request's parts
     size_t next_part = 0;
     wire::PullRequestView::Walker walker = request.Walk();
-    const int shard = store_->options().shard_index;
-    // Checks a span (always, so the walk below can meet no surprise).
-    auto check = [&](const wire::PullRangeFields& range) -> absl::Status {
-      PSFLOW_ASSIGN_OR_RETURN(const int64_t elements, store_->PartElements(range.variable));
-      if (range.offset < 0 || range.count < 0 || range.count > elements - range.offset) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("Pull: range of '", range.variable, "' covers elements [", range.offset,
-                         ",", RangeEnd(range.offset, range.count), ") but its part on ps shard ",
-                         shard, " has ", elements, " elements"));
-      }
-      return absl::OkStatus();
-    };
-    // The next span of the request; false after the last.
+    // The next span of the request, checked (always, so that the second
+    // walk below meets no surprise); false after the last.
     auto next_span = [&](Span* span) -> absl::StatusOr<bool> {
       if (request.num_ranges() > 0) {
         wire::PullRangeFields range;
         if (!walker.NextRange(&range)) return false;
-        PSFLOW_RETURN_IF_ERROR(check(range));
+        PSFLOW_RETURN_IF_ERROR(
+            store_->CheckRange(range.variable, range.offset, range.count, "Pull: range"));
         *span = {range.variable, range.offset, range.offset + range.count};
         return true;
       }

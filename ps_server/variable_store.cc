@@ -935,9 +935,9 @@ absl::StatusOr<VariableStore::Part*> VariableStore::FindRange(absl::string_view 
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
   if (offset < 0 || count < 0 || count > part->num_elements - offset) {
     return absl::InvalidArgumentError(
-        absl::StrCat(what, " of '", variable, "' elements [", offset, ",", RangeEnd(offset, count),
-                     ") but its part on ps shard ", options_.shard_index, " has ",
-                     part->num_elements, " elements"));
+        absl::StrCat(what, " of '", variable, "' covers elements [", offset, ",",
+                     RangeEnd(offset, count), ") but its part on ps shard ", options_.shard_index,
+                     " has ", part->num_elements, " elements"));
   }
   return part;
 }
@@ -979,6 +979,11 @@ std::vector<PartSnapshot> VariableStore::ListParts() const {
 absl::StatusOr<PartSnapshot> VariableStore::GetPart(absl::string_view variable) const {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, FindPart(variable));
   return PartSnapshot{part->def, part->num_elements, part->version.load()};
+}
+
+absl::Status VariableStore::CheckRange(absl::string_view variable, int64_t offset, int64_t count,
+                                       const char* what) const {
+  return FindRange(variable, offset, count, what).status();
 }
 
 absl::StatusOr<int64_t> VariableStore::PartElements(absl::string_view variable) const {

@@ -332,6 +332,11 @@ class VariableStore {
   // The elements of `variable`'s part, or GetPart's NOT_FOUND; allocates
   // nothing (a pull checks every range it is asked for).
   absl::StatusOr<int64_t> PartElements(absl::string_view variable) const;
+  // OK if elements [offset, offset + count) lie in `variable`'s part, else
+  // NOT_FOUND, or INVALID_ARGUMENT "`what` of 'variable' covers elements
+  // [a,b) but its part ... has n elements"; allocates nothing on success.
+  absl::Status CheckRange(absl::string_view variable, int64_t offset, int64_t count,
+                          const char* what) const;
   uint64_t plan_fingerprint() const;
   StoreStats stats() const;
   // The bound on parameters and slots that registration enforces, resolved

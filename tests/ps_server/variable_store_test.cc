@@ -967,7 +967,7 @@ TEST(VariableStoreTest, PinOutOfRangeIsRefusedAndPinsNothing) {
   Pins pins;
   auto past_end = store->Pin("w", 8, 3, pins.out());
   EXPECT_EQ(past_end.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(past_end.status().message(), HasSubstr("'w' elements [8,11)"));
+  EXPECT_THAT(past_end.status().message(), HasSubstr("'w' covers elements [8,11)"));
   EXPECT_THAT(past_end.status().message(), HasSubstr("has 10 elements"));
   EXPECT_EQ(store->Pin("ghost", 0, 1, pins.out()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(pins.size(), 0u);
