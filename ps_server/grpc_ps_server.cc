@@ -381,6 +381,7 @@ class PsServer::Service final : public grpc::Service {
     response->set_ledger_ids(stats.ledger_ids);
     response->set_ledger_ids_forgotten_early(stats.ledger_ids_forgotten_early);
     response->set_stripes_copied_on_write(stats.stripes_copied_on_write);
+    response->set_allows_non_finite_gradients(o.allow_non_finite_gradients);
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());

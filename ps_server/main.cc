@@ -88,7 +88,9 @@ ABSL_FLAG(int64_t, request_ledger_bytes, 32 << 20,
           "for a push that left gaps); beyond it the oldest are forgotten before their "
           "retention, which the shard reports on stderr and in GetStatus.");
 ABSL_FLAG(bool, allow_non_finite_gradients, false,
-          "Accept gradients containing NaN or Inf (rejected with INVALID_ARGUMENT by default).");
+          "Apply gradients containing NaN or Inf, as TensorFlow does (rejected with "
+          "INVALID_ARGUMENT by default). psflow's worker sends such gradients only when every "
+          "ps shard sets this; otherwise it stops with an error naming the value.");
 
 namespace {
 

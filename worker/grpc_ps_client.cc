@@ -13,6 +13,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/grpc_args.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
@@ -163,7 +164,7 @@ class GrpcPsClient final : public PsClient {
         options_(options),
         scan_threads_(std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1,
                                       kMaxScanThreads)),
-        push_retry_(PushRetryOptions(options)),
+        push_retry_(PushRetryOptions(options, options.request_id_retention, "")),
         shards_(plan_.num_shards()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
@@ -261,6 +262,11 @@ class GrpcPsClient final : public PsClient {
         return RegisterOnce(s, initial_values, &responses[s]);
       });
     }));
+    // What the shards accept, now that they hold the model (a failed call
+    // leaves the client scanning, which is always safe).
+    if (auto statuses = GetStatusOnce(absl::Now() + options_.rpc_timeout); statuses.ok()) {
+      LearnShardPolicies(*statuses);
+    }
     RegisterResult result;
     result.retried = retried;
     for (const RegisterResponse& r : responses) {
@@ -295,7 +301,10 @@ class GrpcPsClient final : public PsClient {
           }
         }
       }
-      if (missing.ok()) return absl::OkStatus();
+      if (missing.ok()) {
+        LearnShardPolicies(*statuses);
+        return absl::OkStatus();
+      }
       if (!IsRetryable(missing)) return missing;
       if (absl::Now() >= deadline) {
         // The last attempt ran into the deadline itself, on whichever shard
@@ -356,12 +365,13 @@ class GrpcPsClient final : public PsClient {
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "Push", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
+    const RetryOptions push_retry = PushRetry();
     GradientRefs* refs = GradientRefs::Create();
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryCall(push_retry_, [&] {
+      return RetryCall(push_retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end) {
           return PushOnce(s, k, begin, end, grads, info, request_id, refs);
         });
@@ -375,12 +385,13 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "PushPull", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
     PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
+    const RetryOptions push_retry = PushRetry();
     std::vector<PullResult> results(plan_.num_shards());
     GradientRefs* refs = GradientRefs::Create();
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
-      return RetryCall(push_retry_, [&] {
+      return RetryCall(push_retry, [&] {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
@@ -498,27 +509,71 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Refuses a gradient with NaN/Inf before anything is sent, so that no
-  // shard applies part of it. Nothing of the push is sent while it runs,
+  // shard applies part of it, unless every shard that holds parts of the
+  // model applies such gradients (--allow_non_finite_gradients), which the
+  // shards say in GetStatus. Nothing of the push is sent while it runs,
   // and it runs at memory speed, so a gradient of more than 32 MiB is
   // scanned on several cores at once (AnyNonFinite).
-  absl::Status CheckFinite(absl::Span<const float* const> grads) const {
-    if (!options_.check_finite) return absl::OkStatus();
+  absl::Status CheckFinite(absl::Span<const float* const> grads) {
+    if (!options_.check_finite || non_finite_policy_.load() == kShardsAllowNonFinite) {
+      return absl::OkStatus();
+    }
     std::vector<FloatRange> tensors;
     tensors.reserve(grads.size());
     for (size_t v = 0; v < grads.size(); ++v) {
       tensors.push_back({grads[v], plan_.variables()[v].num_elements()});
     }
     if (!AnyNonFinite(tensors, scan_threads_)) return absl::OkStatus();
+    // A client that has neither registered nor waited for the variables
+    // has not heard from the shards yet: ask them now, on this rare path.
+    if (non_finite_policy_.load() == kPolicyUnknown) {
+      if (auto statuses = GetStatusOnce(absl::Now() + options_.rpc_timeout); statuses.ok()) {
+        LearnShardPolicies(*statuses);
+      }
+      if (non_finite_policy_.load() == kShardsAllowNonFinite) return absl::OkStatus();
+    }
     // Names the first bad element.
     for (size_t v = 0; v < grads.size(); ++v) {
       const int64_t bad = FirstNonFinite(grads[v], plan_.variables()[v].num_elements());
       if (bad >= 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            "gradient of '", plan_.variables()[v].name, "' has a non-finite value (",
-            grads[v][bad], ") at element ", bad, "; nothing was pushed"));
+            "gradient of '", plan_.variables()[v].name, "' has a non-finite value (", grads[v][bad],
+            ") at element ", bad,
+            "; nothing was pushed (the ps shards apply NaN/Inf only when every one that holds "
+            "parts of the model runs with --allow_non_finite_gradients)"));
       }
     }
     return absl::OkStatus();
+  }
+
+  // Takes from the shards' statuses whether every shard holding parts of
+  // the model applies NaN/Inf gradients, and how long the shortest-lived
+  // remembers a push's request id: a push is retried only within that,
+  // whatever this client was told (a retry after the shard forgot the id
+  // would be applied twice).
+  void LearnShardPolicies(const std::vector<StatusResponse>& statuses) {
+    bool allow = true;
+    int shortest = -1;
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      if (shards_[s].parts.empty()) continue;
+      allow = allow && statuses[s].allows_non_finite_gradients();
+      if (shortest < 0 ||
+          statuses[s].request_id_retention_ms() < statuses[shortest].request_id_retention_ms()) {
+        shortest = s;
+      }
+    }
+    non_finite_policy_.store(allow ? kShardsAllowNonFinite : kShardsRefuseNonFinite);
+    if (shortest < 0) return;
+    const absl::Duration retention =
+        absl::Milliseconds(std::max<int64_t>(0, statuses[shortest].request_id_retention_ms()));
+    if (retention >= options_.request_id_retention) return;
+    absl::MutexLock lock(&policy_mu_);
+    push_retry_ = PushRetryOptions(options_, retention, shards_[shortest].name);
+  }
+
+  RetryOptions PushRetry() const {
+    absl::MutexLock lock(&policy_mu_);
+    return push_retry_;
   }
 
   // One non-null tensor per variable of the plan.
@@ -802,14 +857,16 @@ class GrpcPsClient final : public PsClient {
   }
 
   // The retries of a push: only while the shards are sure to remember its
-  // request id (GrpcPsClientOptions::request_id_retention).
-  static RetryOptions PushRetryOptions(const GrpcPsClientOptions& options) {
+  // request id, `retention` (GrpcPsClientOptions::request_id_retention, or
+  // what the shard named `shard` reported, where shorter).
+  static RetryOptions PushRetryOptions(const GrpcPsClientOptions& options, absl::Duration retention,
+                                       absl::string_view shard) {
     RetryOptions retry = options.retry;
-    retry.retry_window =
-        std::max(absl::ZeroDuration(), options.request_id_retention - options.rpc_timeout);
+    retry.retry_window = std::max(absl::ZeroDuration(), retention - options.rpc_timeout);
     retry.window_reason =
-        absl::StrCat("when the ps shard may have forgotten the push's request id (it keeps them ",
-                     absl::FormatDuration(options.request_id_retention),
+        absl::StrCat("when the ps shard may have forgotten the push's request id (",
+                     shard.empty() ? "it keeps them " : absl::StrCat(shard, " keeps them "),
+                     absl::FormatDuration(retention),
                      ", --request_id_retention_s) and would apply a retry twice");
     return retry;
   }
@@ -820,7 +877,11 @@ class GrpcPsClient final : public PsClient {
   const PartitionPlan plan_;
   const GrpcPsClientOptions options_;
   const int scan_threads_;  // the cores, at most kMaxScanThreads
-  const RetryOptions push_retry_;
+  // What the shards do with NaN/Inf gradients, once a GetStatus told.
+  enum NonFinitePolicy { kPolicyUnknown, kShardsRefuseNonFinite, kShardsAllowNonFinite };
+  std::atomic<int> non_finite_policy_{kPolicyUnknown};
+  mutable absl::Mutex policy_mu_;
+  RetryOptions push_retry_ ABSL_GUARDED_BY(policy_mu_);
   std::vector<Shard> shards_;
   absl::Mutex id_mu_;
   absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);

@@ -37,9 +37,15 @@ struct GrpcPsClientOptions {
   // its --request_ledger_bytes: at the defaults, past about 160 pushes a
   // second). With the defaults (15 minutes, 60 s) this never cuts the
   // retries short: ten attempts of a whole deadline each, with their
-  // backoff, take about 10.5 minutes.
+  // backoff, take about 10.5 minutes. Once the client has heard the shards'
+  // own retention (GetStatus, when it registers or waits for the
+  // variables), it keeps to the shortest of theirs where that is shorter.
   absl::Duration request_id_retention = absl::Minutes(15);
-  bool check_finite = true;  // refuse to push NaN/Inf (before anything is sent)
+  // Refuse to push NaN/Inf (before anything is sent), unless every shard
+  // holding parts of the model applies them (its --allow_non_finite_gradients,
+  // learned from GetStatus when the client registers or waits for the
+  // variables, or at the first such gradient).
+  bool check_finite = true;
   // Connections per shard that a Push or PushPull is split over: each
   // carries a contiguous share of the shard's messages on its own HTTP/2
   // connection (so the shard receives them on separate threads), all with

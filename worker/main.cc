@@ -73,9 +73,9 @@ ABSL_FLAG(int, ps_streams, 0,
 ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
 ABSL_FLAG(double, request_id_retention_s, 900,
           "Seconds the ps shards remember a push's request id (their own "
-          "--request_id_retention_s; give both the same value): a failed push is retried only "
-          "while a retry starts within this less --rpc_timeout_s of the push, so that none is "
-          "applied twice.");
+          "--request_id_retention_s): a failed push is retried only while a retry starts within "
+          "this less --rpc_timeout_s of the push, so that none is applied twice. Where a shard "
+          "reports a shorter retention (GetStatus), the worker keeps to that.");
 ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
           "register the variables.");
 ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end.");

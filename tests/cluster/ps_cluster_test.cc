@@ -89,6 +89,8 @@ class PsClusterTest : public ::testing::Test {
       options.store.num_shards = num_shards;
       options.store.optimizer = optimizer;
       options.store.max_chunk_bytes = server_max_chunk;
+      options.store.allow_non_finite_gradients =
+          static_cast<size_t>(s) < allow_non_finite_.size() && allow_non_finite_[s];
       // Even shards apply pushes on a pipeline of applier threads, odd ones
       // on the reading thread, so multi-shard tests cover both paths.
       options.apply_threads = s % 2 == 0 ? 2 : 0;
@@ -157,6 +159,7 @@ class PsClusterTest : public ::testing::Test {
 
   std::vector<std::unique_ptr<PsServer>> servers_;
   std::vector<std::string> addresses_;
+  std::vector<bool> allow_non_finite_;  // by shard: --allow_non_finite_gradients
   std::function<
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>()>
       interceptors_;
@@ -865,6 +868,76 @@ TEST_F(PsClusterTest, ClientRefusesANonFiniteValueAtTheEndOfALargeGradient) {
   EXPECT_THAT(values.data[1], ::testing::Each(0.0f));
 }
 
+// With --allow_non_finite_gradients on every shard, NaN/Inf gradients are
+// applied as TensorFlow applies them: the client learns the shards' policy
+// from GetStatus (at registration, or at the first such gradient) and sends
+// them.
+TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
+  allow_non_finite_ = {true, true};
+  StartCluster(2, SgdLr1());
+  // "w" is split over both shards.
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {600, 1000}}};
+  auto chief = Client(vars);
+  ASSERT_NE(chief, nullptr);
+  ASSERT_TRUE(chief->Register(Make(vars, 0.0f).cptrs()).ok());
+  auto statuses = chief->GetStatus();
+  ASSERT_TRUE(statuses.ok()) << statuses.status();
+  for (const auto& st : *statuses) EXPECT_TRUE(st.allows_non_finite_gradients());
+
+  Tensors g = Make(vars, 1.0f);
+  g.data[0][1] = std::numeric_limits<float>::quiet_NaN();
+  g.data[1].back() = -std::numeric_limits<float>::infinity();
+  const absl::Status pushed = chief->Push(g.cptrs(), {1, 0});
+  ASSERT_TRUE(pushed.ok()) << pushed;
+  Tensors values = Make(vars, -99.0f);
+  ASSERT_TRUE(chief->Pull(values.ptrs()).ok());
+  EXPECT_EQ(values.data[0][0], -1.0f);
+  EXPECT_TRUE(std::isnan(values.data[0][1]));
+  EXPECT_EQ(values.data[1].front(), -1.0f);
+  EXPECT_EQ(values.data[1].back(), std::numeric_limits<float>::infinity());
+
+  // A client that never registered or waited hears it at its first NaN.
+  auto other = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1);
+  ASSERT_NE(other, nullptr);
+  Tensors g2 = Make(vars, 1.0f);
+  g2.data[0][2] = std::numeric_limits<float>::infinity();
+  const absl::Status pushed2 = other->Push(g2.cptrs(), {1, 0});
+  ASSERT_TRUE(pushed2.ok()) << pushed2;
+  ASSERT_TRUE(other->Pull(values.ptrs()).ok());
+  EXPECT_EQ(values.data[0][0], -2.0f);
+  EXPECT_EQ(values.data[0][2], -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(values.data[1].front(), -2.0f);
+}
+
+// One shard that refuses NaN/Inf is enough for the client to refuse the
+// whole push before sending it: the shards that allow them would apply
+// their share while the other refused its own.
+TEST_F(PsClusterTest, ClientRefusesNonFiniteGradientsUnlessEveryShardAllowsThem) {
+  allow_non_finite_ = {true, false};
+  StartCluster(2, SgdLr1());
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {600, 1000}}};
+  for (bool registered : {false, true}) {
+    SCOPED_TRACE(registered ? "after Register" : "before the client heard from the shards");
+    auto client = Client(vars);
+    ASSERT_NE(client, nullptr);
+    if (registered) {
+      ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
+    }
+    Tensors g = Make(vars, 1.0f);
+    g.data[1][7] = std::numeric_limits<float>::quiet_NaN();
+    const absl::Status status = client->Push(g.cptrs(), {1, 0});
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+    EXPECT_THAT(status.message(), HasSubstr("gradient of 'w' has a non-finite value (nan) at "
+                                            "element 7; nothing was pushed"));
+    EXPECT_THAT(status.message(), HasSubstr("--allow_non_finite_gradients"));
+    if (!registered) continue;
+    Tensors values = Make(vars, -99.0f);
+    ASSERT_TRUE(client->Pull(values.ptrs()).ok());
+    EXPECT_THAT(values.data[0], ::testing::Each(0.0f));
+    EXPECT_THAT(values.data[1], ::testing::Each(0.0f));
+  }
+}
+
 TEST_F(PsClusterTest, RegistrationConflictsAreFailedPrecondition) {
   StartCluster(2);
   const std::vector<VariableSpec> vars = {{"w", {4, 3}}};
@@ -1163,6 +1236,65 @@ TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
       EXPECT_GT(skipped, 0) << "the retry re-sent what was applied, and the shard skipped it";
     }
   }
+}
+
+// A client told to expect the default retention (15 minutes) learns from
+// the shard, when it registers, that the shard keeps ids for only as long as
+// one deadline: a push whose reply was lost is then not retried (a retry
+// could come after the shard forgot the id), and the error says why.
+TEST_F(PsClusterTest, PushRetriesKeepToTheShardsShorterRetention) {
+  auto lose = std::make_shared<std::atomic<int>>(0);
+  interceptors_ = [&] {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+    v.push_back(std::make_unique<LoseReplies>("/psflow.ParameterServer/Push", lose));
+    return v;
+  };
+  PsServerOptions options;
+  options.interceptors = interceptors_;
+  options.address = "127.0.0.1:0";
+  options.store.optimizer = SgdLr1();
+  options.store.request_id_retention = absl::Seconds(5);
+  auto server = PsServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  addresses_ = {(*server)->client_address()};
+  servers_.push_back(std::move(*server));
+
+  const std::vector<VariableSpec> vars = {{"w", {4}}};
+  GrpcPsClientOptions client_options;
+  client_options.ps_addresses = addresses_;
+  client_options.rpc_timeout = absl::Seconds(5);  // as long as the shard's retention
+  client_options.retry.initial_backoff = absl::Milliseconds(10);
+  auto client = CreateGrpcPsClient(vars, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  Tensors grad = Make(vars, 1.0f);
+  ASSERT_TRUE((*client)->Register(Make(vars, 0.0f).cptrs()).ok());
+  *lose = 1;
+  const absl::Status pushed = (*client)->Push(grad.cptrs(), {1, 0});
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable) << pushed;
+  EXPECT_THAT(pushed.message(), HasSubstr("gave up after 1 attempt;"));
+  EXPECT_THAT(pushed.message(), HasSubstr("keeps them 5s, --request_id_retention_s"));
+  EXPECT_THAT(pushed.message(), HasSubstr("ps shard 0 ("));
+  Tensors got = Make(vars, -99.0f);
+  ASSERT_TRUE((*client)->Pull(got.ptrs()).ok());
+  EXPECT_THAT(got.data[0], ::testing::Each(-1.0f)) << "the shard applied it once";
+
+  // The same from a client that has not asked the shard is retried, on its
+  // own (here wrong) retention of 15 minutes.
+  auto unaware = CreateGrpcPsClient(vars, client_options);
+  ASSERT_TRUE(unaware.ok()) << unaware.status();
+  *lose = 1;
+  const absl::Status retried = (*unaware)->Push(grad.cptrs(), {2, 0});
+  EXPECT_TRUE(retried.ok()) << retried;
+  EXPECT_LE(lose->load(), 0);
+
+  // A worker that waits for the chief's variables learns it there.
+  auto waiter = CreateGrpcPsClient(vars, client_options);
+  ASSERT_TRUE(waiter.ok()) << waiter.status();
+  ASSERT_TRUE((*waiter)->WaitForVariables(absl::Seconds(5)).ok());
+  *lose = 1;
+  const absl::Status waited = (*waiter)->Push(grad.cptrs(), {3, 0});
+  EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
+  EXPECT_THAT(waited.message(), HasSubstr("keeps them 5s"));
 }
 
 // Options and tensors the client cannot use are refused before any call,
