@@ -280,8 +280,8 @@ int main(int argc, char** argv) {
   (*server)->Shutdown(absl::Seconds(5));
   const auto stats = (*server)->store().stats();
   std::printf(
-      "ps_server: shard %d stopped after %lld pushes (%lld rejected; %lld stripe copies for "
-      "pulls in flight)\n",
+      "ps_server: shard %d stopped after %lld pushes (%lld rejected; %lld stripe copies made "
+      "for pulls in flight)\n",
       options->store.shard_index, static_cast<long long>(stats.pushes),
       static_cast<long long>(stats.rejected_requests),
       static_cast<long long>(stats.stripes_copied_on_write));

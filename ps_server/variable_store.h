@@ -109,8 +109,9 @@ struct StoreStats {
   // Ids forgotten before request_id_retention because the records passed
   // request_ledger_bytes: a retry of one of those would apply twice.
   int64_t ledger_ids_forgotten_early = 0;
-  // Lock stripes a push copied before updating them because a pull still
-  // held their values (Pin).
+  // Stripe copies made by pushes because of pulls: a stripe copied before
+  // an update because a pull still held its values (Pin), and the copy
+  // back to its home in the part's buffer once no pull holds that.
   int64_t stripes_copied_on_write = 0;
 };
 
