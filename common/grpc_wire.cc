@@ -313,6 +313,11 @@ absl::Status DecodePushHeader(Cursor* c, PushHeaderFields* h) {
       case 4:
         if (tag.type != kFixed64) return WrongType("PushHeader", "request_id", tag, kFixed64);
         return c->ReadFixed(8, &h->request_id, "PushHeader.request_id");
+      case 5:
+        if (tag.type != kVarint) return WrongType("PushHeader", "gradient_checked", tag, kVarint);
+        if (absl::Status s = c->ReadVarint(&v, "gradient_checked"); !s.ok()) return s;
+        h->gradient_checked = v != 0;  // as protobuf reads a bool
+        return absl::OkStatus();
       default:
         return SkipField(c, tag, 1);
     }
@@ -397,6 +402,10 @@ void AppendPushHeader(std::string* out, const PushHeaderFields& h) {
   if (h.request_id != 0) {
     AppendVarint(&body, Tag(4, kFixed64));
     for (int i = 0; i < 8; ++i) body.push_back(static_cast<char>(h.request_id >> (8 * i)));
+  }
+  if (h.gradient_checked) {
+    AppendVarint(&body, Tag(5, kVarint));
+    AppendVarint(&body, 1);
   }
   AppendVarint(out, Tag(1, kLen));
   AppendVarint(out, body.size());

@@ -65,6 +65,7 @@ struct PushHeaderFields {
   int64_t step = 0;
   int64_t read_version = 0;
   uint64_t request_id = 0;
+  bool gradient_checked = false;
 };
 // PushRequest.header (field 1), appended.
 void AppendPushHeader(std::string* out, const PushHeaderFields& header);

@@ -382,6 +382,7 @@ class PsServer::Service final : public grpc::Service {
     response->set_ledger_ids_forgotten_early(stats.ledger_ids_forgotten_early);
     response->set_stripes_copied_on_write(stats.stripes_copied_on_write);
     response->set_allows_non_finite_gradients(o.allow_non_finite_gradients);
+    response->set_pushes_checked_by_client(stats.pushes_checked_by_client);
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());
@@ -597,7 +598,8 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = slots[0].message.msg.header;
-    auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
+    auto session =
+        store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     std::deque<ApplierPool::Ticket> applying;  // oldest first
     absl::Status status;
     for (size_t n = 0;; ++n) {
@@ -651,7 +653,8 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("PushPull: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = m.msg.header;
-    auto session = store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id});
+    auto session =
+        store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     PreparedPush prepared;
     std::vector<char*> read_back;
     std::vector<int64_t> versions;

@@ -737,7 +737,9 @@ void VariableStore::ReportForgottenEarly(int64_t forgotten) {
 }
 
 std::unique_ptr<VariableStore::PushSession> VariableStore::BeginPush(const PushHeaderInfo& header) {
-  return std::unique_ptr<PushSession>(new PushSession(this, LedgerFor(header.request_id)));
+  if (header.gradient_checked) ++pushes_checked_by_client_;
+  const bool scan = !options_.allow_non_finite_gradients && !header.gradient_checked;
+  return std::unique_ptr<PushSession>(new PushSession(this, LedgerFor(header.request_id), scan));
 }
 
 VariableStore::PushSession::~PushSession() = default;
@@ -762,8 +764,7 @@ absl::StatusOr<VariableStore::Part*> VariableStore::PushSession::Find(absl::stri
 absl::Status VariableStore::PushSession::Validate(absl::string_view variable, int64_t offset,
                                                   const void* data, int64_t count) {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
-  return store_->CheckSegment(*part, offset, data, count,
-                              !store_->options_.allow_non_finite_gradients);
+  return store_->CheckSegment(*part, offset, data, count, scan_values_);
 }
 
 absl::Status VariableStore::PushSession::ValidateRange(absl::string_view variable,
@@ -777,9 +778,8 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
                                                bool values_checked, void* read_back,
                                                int64_t* version) {
   PSFLOW_ASSIGN_OR_RETURN(Part * part, Find(variable));
-  PSFLOW_RETURN_IF_ERROR(store_->CheckSegment(
-      *part, offset, data, count,
-      !values_checked && !store_->options_.allow_non_finite_gradients));
+  PSFLOW_RETURN_IF_ERROR(
+      store_->CheckSegment(*part, offset, data, count, !values_checked && scan_values_));
   if (count == 0) {
     if (version != nullptr) *version = part->version.load();
     return absl::OkStatus();
@@ -1010,6 +1010,7 @@ StoreStats VariableStore::stats() const {
   s.ledger_bytes = ledger_bytes_;
   s.ledger_ids_forgotten_early = ledger_forgotten_early_;
   s.stripes_copied_on_write = stripes_copied_on_write_;
+  s.pushes_checked_by_client = pushes_checked_by_client_;
   return s;
 }
 

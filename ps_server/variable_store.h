@@ -113,6 +113,9 @@ struct StoreStats {
   // an update because a pull still held its values (Pin), and the copy
   // back to its home in the part's buffer once no pull holds that.
   int64_t stripes_copied_on_write = 0;
+  // Pushes whose client said it had checked the gradient for NaN/Inf
+  // (PushHeaderInfo::gradient_checked), so the store did not scan it.
+  int64_t pushes_checked_by_client = 0;
 };
 
 struct RegisterResult {
@@ -125,6 +128,8 @@ struct PushHeaderInfo {
   int64_t step = 0;
   int64_t read_version = 0;
   uint64_t request_id = 0;
+  // The client found the whole gradient finite: no NaN/Inf scan here.
+  bool gradient_checked = false;
 };
 
 class SharedValues;
@@ -295,14 +300,17 @@ class VariableStore {
 
    private:
     friend class VariableStore;
-    PushSession(VariableStore* store, std::shared_ptr<LedgerEntry> entry)
-        : store_(store), entry_(std::move(entry)) {}
+    PushSession(VariableStore* store, std::shared_ptr<LedgerEntry> entry, bool scan_values)
+        : store_(store), entry_(std::move(entry)), scan_values_(scan_values) {}
     absl::StatusOr<Part*> Find(absl::string_view variable);
     // Adds `delta` to the entry's bytes (and the store's, unless evicted);
     // entry_->mu held.
     void Account(int64_t delta);
     VariableStore* store_;
     std::shared_ptr<LedgerEntry> entry_;
+    // Gradients are scanned for NaN/Inf: neither allowed by the store nor
+    // checked by the client (PushHeaderInfo::gradient_checked).
+    const bool scan_values_;
     absl::Mutex cache_mu_;
     absl::flat_hash_map<std::string, Part*> cache_ ABSL_GUARDED_BY(cache_mu_);
     std::atomic<int64_t> applied_{0};
@@ -391,6 +399,7 @@ class VariableStore {
   std::atomic<int64_t> ledger_forgotten_early_{0};
 
   std::atomic<int64_t> pushes_{0};
+  std::atomic<int64_t> pushes_checked_by_client_{0};
   std::atomic<int64_t> elements_applied_{0};
   std::atomic<int64_t> duplicate_elements_{0};
   std::atomic<int64_t> rejected_requests_{0};

@@ -141,6 +141,13 @@ class PushEncoder {
   std::vector<grpc::Slice> slices_;  // the message so far
 };
 
+// What every call of one push sends in its header besides the worker id.
+struct PushCall {
+  PushInfo info;
+  uint64_t request_id = 0;        // one per logical push and shard, kept across retries
+  bool gradient_checked = false;  // the whole gradient was found finite (CheckFinite)
+};
+
 // Runs fn(i) for i in [0, n) in parallel (ParallelFor) and returns their
 // statuses.
 std::vector<absl::Status> RunInParallel(int n, const std::function<absl::Status(int)>& fn) {
@@ -364,7 +371,7 @@ class GrpcPsClient final : public PsClient {
 
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "Push", "gradient"));
-    PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
+    PSFLOW_ASSIGN_OR_RETURN(const bool checked, CheckFinite(grads));
     const RetryOptions push_retry = PushRetry();
     GradientRefs* refs = GradientRefs::Create();
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
@@ -373,7 +380,7 @@ class GrpcPsClient final : public PsClient {
       const uint64_t request_id = NewRequestId();
       return RetryCall(push_retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushOnce(s, k, begin, end, grads, info, request_id, refs);
+          return PushOnce(s, k, begin, end, grads, {info, request_id, checked}, refs);
         });
       });
     });
@@ -384,7 +391,7 @@ class GrpcPsClient final : public PsClient {
                                       absl::Span<float* const> values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "PushPull", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
-    PSFLOW_RETURN_IF_ERROR(CheckFinite(grads));
+    PSFLOW_ASSIGN_OR_RETURN(const bool checked, CheckFinite(grads));
     const RetryOptions push_retry = PushRetry();
     std::vector<PullResult> results(plan_.num_shards());
     GradientRefs* refs = GradientRefs::Create();
@@ -396,7 +403,7 @@ class GrpcPsClient final : public PsClient {
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
         PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushPullOnce(s, k, begin, end, grads, info, request_id, refs, values,
+          return PushPullOnce(s, k, begin, end, grads, {info, request_id, checked}, refs, values,
                               &parts[k], &received[k]);
         }));
         int64_t total = 0;
@@ -513,24 +520,26 @@ class GrpcPsClient final : public PsClient {
   // model applies such gradients (--allow_non_finite_gradients), which the
   // shards say in GetStatus. Nothing of the push is sent while it runs,
   // and it runs at memory speed, so a gradient of more than 32 MiB is
-  // scanned on several cores at once (AnyNonFinite).
-  absl::Status CheckFinite(absl::Span<const float* const> grads) {
+  // scanned on several cores at once (AnyNonFinite). True when the whole
+  // gradient was found finite: the push's header says so, and the shards
+  // do not scan it again.
+  absl::StatusOr<bool> CheckFinite(absl::Span<const float* const> grads) {
     if (!options_.check_finite || non_finite_policy_.load() == kShardsAllowNonFinite) {
-      return absl::OkStatus();
+      return false;
     }
     std::vector<FloatRange> tensors;
     tensors.reserve(grads.size());
     for (size_t v = 0; v < grads.size(); ++v) {
       tensors.push_back({grads[v], plan_.variables()[v].num_elements()});
     }
-    if (!AnyNonFinite(tensors, scan_threads_)) return absl::OkStatus();
+    if (!AnyNonFinite(tensors, scan_threads_)) return true;
     // A client that has neither registered nor waited for the variables
     // has not heard from the shards yet: ask them now, on this rare path.
     if (non_finite_policy_.load() == kPolicyUnknown) {
       if (auto statuses = GetStatusOnce(absl::Now() + options_.rpc_timeout); statuses.ok()) {
         LearnShardPolicies(*statuses);
       }
-      if (non_finite_policy_.load() == kShardsAllowNonFinite) return absl::OkStatus();
+      if (non_finite_policy_.load() == kShardsAllowNonFinite) return false;
     }
     // Names the first bad element.
     for (size_t v = 0; v < grads.size(); ++v) {
@@ -543,7 +552,7 @@ class GrpcPsClient final : public PsClient {
             "parts of the model runs with --allow_non_finite_gradients)"));
       }
     }
-    return absl::OkStatus();
+    return false;  // not reached: AnyNonFinite found one
   }
 
   // Takes from the shards' statuses whether every shard holding parts of
@@ -650,15 +659,16 @@ class GrpcPsClient final : public PsClient {
   // PushRequest messages (the header in the first) and half-closes the
   // stream. False when the stream broke.
   bool WritePush(int s, size_t begin, size_t end, absl::Span<const float* const> grads,
-                 const PushInfo& info, uint64_t request_id, GradientRefs* refs,
+                 const PushCall& call, GradientRefs* refs,
                  grpc::internal::WriterInterface<grpc::ByteBuffer>* writer,
                  const std::function<bool()>& writes_done) {
     Shard& shard = shards_[s];
     PushHeader header;
     header.set_worker_id(options_.worker_id);
-    header.set_step(info.step);
-    header.set_read_version(info.read_version);
-    header.set_request_id(request_id);
+    header.set_step(call.info.step);
+    header.set_read_version(call.info.read_version);
+    header.set_request_id(call.request_id);
+    header.set_gradient_checked(call.gradient_checked);
     PushEncoder encoder(refs);
     encoder.SetHeader(header);
     grpc::ByteBuffer message;
@@ -745,8 +755,8 @@ class GrpcPsClient final : public PsClient {
   // One stream of a push to shard s: messages [begin, end) on connection k,
   // its gradient slices counted by `refs`.
   absl::Status PushOnce(int s, int k, size_t begin, size_t end,
-                        absl::Span<const float* const> grads, const PushInfo& info,
-                        uint64_t request_id, GradientRefs* refs) {
+                        absl::Span<const float* const> grads, const PushCall& call,
+                        GradientRefs* refs) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     grpc::ClientContext context;
@@ -756,8 +766,7 @@ class GrpcPsClient final : public PsClient {
     std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
         grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_method, &context, &response));
-    WritePush(s, begin, end, grads, info, request_id, refs, writer.get(),
-              [&] { return writer->WritesDone(); });
+    WritePush(s, begin, end, grads, call, refs, writer.get(), [&] { return writer->WritesDone(); });
     return FromGrpcStatus(writer->Finish(), shard.name);
   }
 
@@ -808,9 +817,8 @@ class GrpcPsClient final : public PsClient {
   // as it is applied, so both must run at once). The elements received are
   // added to `*received`.
   absl::Status PushPullOnce(int s, int k, size_t begin, size_t end,
-                            absl::Span<const float* const> grads, const PushInfo& info,
-                            uint64_t request_id, GradientRefs* refs,
-                            absl::Span<float* const> values, PullResult* result,
+                            absl::Span<const float* const> grads, const PushCall& call,
+                            GradientRefs* refs, absl::Span<float* const> values, PullResult* result,
                             int64_t* received) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
@@ -822,7 +830,7 @@ class GrpcPsClient final : public PsClient {
     std::thread writer;
     try {
       writer = std::thread([&] {
-        WritePush(s, begin, end, grads, info, request_id, refs, stream.get(),
+        WritePush(s, begin, end, grads, call, refs, stream.get(),
                   [&] { return stream->WritesDone(); });
       });
     } catch (const std::system_error& e) {

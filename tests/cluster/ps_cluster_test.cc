@@ -907,6 +907,43 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   EXPECT_EQ(values.data[0][0], -2.0f);
   EXPECT_EQ(values.data[0][2], -std::numeric_limits<float>::infinity());
   EXPECT_EQ(values.data[1].front(), -2.0f);
+  // The client scanned nothing, so it vouched for nothing.
+  for (auto& server : servers_) EXPECT_EQ(server->store().stats().pushes_checked_by_client, 0);
+}
+
+// The client scans every push for NaN/Inf before sending it, and says so in
+// the header, so that the shards do not scan the same values again; a
+// client told not to check (check_finite = false) does not say it.
+TEST_F(PsClusterTest, ShardsDoNotScanAGradientTheClientChecked) {
+  StartCluster(2, SgdLr1());
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {600, 1000}}};
+  auto client = Client(vars, 1 << 20, 256 * 1024, 0, /*streams=*/2);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
+  Tensors g = Make(vars, 1.0f), values = Make(vars, -99.0f);
+  ASSERT_TRUE(client->Push(g.cptrs(), {1, 0}).ok());
+  ASSERT_TRUE(client->PushPull(g.cptrs(), {2, 0}, values.ptrs()).ok());
+  for (auto& server : servers_) {
+    const auto stats = server->store().stats();
+    EXPECT_GT(stats.pushes, 0);
+    EXPECT_EQ(stats.pushes_checked_by_client, stats.pushes);  // every call, both streams
+  }
+  auto statuses = client->GetStatus();
+  ASSERT_TRUE(statuses.ok()) << statuses.status();
+  EXPECT_EQ((*statuses)[0].pushes_checked_by_client(), (*statuses)[0].pushes());
+
+  GrpcPsClientOptions options;
+  options.ps_addresses = addresses_;
+  options.check_finite = false;
+  auto unchecked = CreateGrpcPsClient(vars, options);
+  ASSERT_TRUE(unchecked.ok()) << unchecked.status();
+  const int64_t before = servers_[0]->store().stats().pushes_checked_by_client;
+  ASSERT_TRUE((*unchecked)->Push(g.cptrs(), {3, 0}).ok());
+  EXPECT_EQ(servers_[0]->store().stats().pushes_checked_by_client, before);
+  g.data[0][0] = std::numeric_limits<float>::quiet_NaN();  // the shard scans, and refuses it
+  EXPECT_EQ((*unchecked)->Push(g.cptrs(), {4, 0}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(client->Pull(values.ptrs()).ok());
+  EXPECT_THAT(values.data[0], ::testing::Each(-3.0f));
 }
 
 // One shard that refuses NaN/Inf is enough for the client to refuse the

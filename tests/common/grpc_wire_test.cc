@@ -48,7 +48,7 @@ std::vector<absl::string_view> Split(const std::string& bytes, size_t size) {
 TEST(GrpcWireTest, EncodedPushRequestParsesWithProtobuf) {
   const std::string d1 = Floats(300, 1.5f), d2 = Floats(3, -7.0f);
   std::string bytes;
-  AppendPushHeader(&bytes, {-3, 42, 7, 0xfedcba9876543210ull});
+  AppendPushHeader(&bytes, {-3, 42, 7, 0xfedcba9876543210ull, /*gradient_checked=*/true});
   AppendSegmentPrefix(&bytes, 2, "dense/kernel", 1000, d1.size());
   bytes += d1;
   AppendSegmentPrefix(&bytes, 2, "b", 0, d2.size());
@@ -59,6 +59,7 @@ TEST(GrpcWireTest, EncodedPushRequestParsesWithProtobuf) {
   EXPECT_EQ(parsed.header().step(), 42);
   EXPECT_EQ(parsed.header().read_version(), 7);
   EXPECT_EQ(parsed.header().request_id(), 0xfedcba9876543210ull);
+  EXPECT_TRUE(parsed.header().gradient_checked());
   ASSERT_EQ(parsed.segments_size(), 2);
   EXPECT_EQ(parsed.segments(0).variable(), "dense/kernel");
   EXPECT_EQ(parsed.segments(0).offset(), 1000);
@@ -93,6 +94,7 @@ TEST(GrpcWireTest, DecodesProtobufPushSplitIntoTinyPieces) {
   msg.mutable_header()->set_worker_id(5);
   msg.mutable_header()->set_step(-1);
   msg.mutable_header()->set_request_id(99);
+  msg.mutable_header()->set_gradient_checked(true);
   for (int i = 0; i < 3; ++i) {
     Segment* s = msg.add_segments();
     s->set_variable("var" + std::to_string(i));
@@ -107,6 +109,7 @@ TEST(GrpcWireTest, DecodesProtobufPushSplitIntoTinyPieces) {
     EXPECT_EQ(out.header.worker_id, 5);
     EXPECT_EQ(out.header.step, -1);
     EXPECT_EQ(out.header.request_id, 99u);
+    EXPECT_TRUE(out.header.gradient_checked);
     ASSERT_EQ(out.num_segments, 3u);
     for (int i = 0; i < 3; ++i) {
       EXPECT_EQ(out.segments[i].variable, msg.segments(i).variable());
@@ -184,6 +187,8 @@ TEST(GrpcWireTest, MalformedInputIsInvalidArgument) {
       {"header with fixed32 type", std::string("\x0d\x00\x00\x00\x00", 5), "wire type 5", false},
       {"data with varint type", std::string("\x12\x02\x18\x01", 4), "field data", false},
       {"request_id as varint", std::string("\x0a\x02\x20\x01", 4), "request_id", false},
+      {"gradient_checked as fixed64", std::string("\x0a\x09\x29", 3) + std::string(8, '\x01'),
+       "gradient_checked", false},
       {"invalid wire type 7", std::string("\x0f", 1), "invalid wire type"},
       {"field number 0", std::string("\x02\x00", 2), "invalid field number"},
       {"tag over 5 bytes", std::string("\x88\x80\x80\x80\x80\x00", 6), "longer than 5 bytes"},
@@ -277,6 +282,7 @@ std::string RandomMessage(MessageKind kind, std::mt19937_64& rng) {
       m.mutable_header()->set_step(random_i64());
       m.mutable_header()->set_read_version(random_i64());
       m.mutable_header()->set_request_id(rng());
+      m.mutable_header()->set_gradient_checked(pick(2) == 0);
     }
     for (uint64_t i = pick(4); i > 0; --i) fill(m.add_segments());
     return m.SerializeAsString();

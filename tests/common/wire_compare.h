@@ -109,7 +109,8 @@ inline std::string CompareWithProtobuf(MessageKind kind, const std::string& byte
         ours.header.worker_id != hr.GetInt32(h, Field(h, "worker_id")) ||
         ours.header.step != hr.GetInt64(h, Field(h, "step")) ||
         ours.header.read_version != hr.GetInt64(h, Field(h, "read_version")) ||
-        ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id"))) {
+        ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id")) ||
+        ours.header.gradient_checked != hr.GetBool(h, Field(h, "gradient_checked"))) {
       return "the header differs";
     }
   } else {

@@ -751,6 +751,34 @@ TEST(VariableStoreTest, NonFiniteGradientsCanBeAllowed) {
   EXPECT_TRUE(std::isinf(ReadAll(store->get(), "w", 1)[0]));
 }
 
+// A push whose client says it found the gradient finite is not scanned
+// again: the store trusts the header (a NaN under it is applied, which
+// psflow's client never sends), and counts such pushes. Without the word,
+// the same NaN is refused.
+TEST(VariableStoreTest, GradientCheckedByTheClientIsNotScannedAgain) {
+  auto store = SgdStore();
+  RegisterFilled(store.get(), Def("w", {2}, 0, 2), 0.0f);
+  const float g[2] = {1.0f, std::numeric_limits<float>::quiet_NaN()};
+  PushHeaderInfo header{0, 0, 0, 1};
+  EXPECT_EQ(store->BeginPush(header)->Apply("w", 0, g, 2).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->BeginPush(header)->Validate("w", 0, g, 2).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->stats().pushes_checked_by_client, 0);
+  EXPECT_THAT(ReadAll(store.get(), "w", 2), ::testing::Each(0.0f));
+
+  header.gradient_checked = true;
+  auto push = store->BeginPush(header);
+  EXPECT_TRUE(push->Validate("w", 0, g, 2).ok());
+  EXPECT_TRUE(push->Apply("w", 0, g, 2).ok());
+  const std::vector<float> values = ReadAll(store.get(), "w", 2);
+  EXPECT_EQ(values[0], -1.0f);
+  EXPECT_TRUE(std::isnan(values[1]));
+  EXPECT_EQ(store->stats().pushes_checked_by_client, 1);
+  // Ranges are still checked.
+  EXPECT_EQ(push->Apply("w", 1, g, 2).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(VariableStoreTest, ConcurrentPushesToDifferentPartsAndTheSamePart) {
   auto store = SgdStore();
   RegisterFilled(store.get(), Def("a", {1000}, 0, 1000), 0.0f);
