@@ -384,6 +384,7 @@ class GrpcPsClient final : public PsClient {
         });
       });
     });
+    ForgetAllowAfterRefusal(status);
     return ReleaseGradient(refs, status);
   }
 
@@ -413,6 +414,7 @@ class GrpcPsClient final : public PsClient {
         return absl::OkStatus();
       });
     });
+    ForgetAllowAfterRefusal(status);
     PSFLOW_RETURN_IF_ERROR(ReleaseGradient(refs, status));
     return Combine(results);
   }
@@ -566,6 +568,7 @@ class GrpcPsClient final : public PsClient {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       if (shards_[s].parts.empty()) continue;
       allow = allow && statuses[s].allows_non_finite_gradients();
+      if (!statuses[s].has_request_id_retention_ms()) continue;  // not told: the client's own
       if (shortest < 0 ||
           statuses[s].request_id_retention_ms() < statuses[shortest].request_id_retention_ms()) {
         shortest = s;
@@ -578,6 +581,16 @@ class GrpcPsClient final : public PsClient {
     if (retention >= options_.request_id_retention) return;
     absl::MutexLock lock(&policy_mu_);
     push_retry_ = PushRetryOptions(options_, retention, shards_[shortest].name);
+  }
+
+  // A shard that refused a push may have been restarted without
+  // --allow_non_finite_gradients: until the shards are asked again, the
+  // client scans its pushes, so that a NaN/Inf is refused whole rather than
+  // applied by the shards that allow it and refused by the others.
+  void ForgetAllowAfterRefusal(const absl::Status& status) {
+    if (!absl::IsInvalidArgument(status)) return;
+    int allow = kShardsAllowNonFinite;
+    non_finite_policy_.compare_exchange_strong(allow, kPolicyUnknown);
   }
 
   RetryOptions PushRetry() const {

@@ -883,18 +883,35 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   auto statuses = chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
   for (const auto& st : *statuses) EXPECT_TRUE(st.allows_non_finite_gradients());
+  auto checked_by_client = [&] {
+    int64_t n = 0;
+    for (auto& server : servers_) n += server->store().stats().pushes_checked_by_client;
+    return n;
+  };
+  // Learned at registration: a finite gradient is not even scanned (a
+  // scanned push would say so in its header, and the shards count those).
+  const Tensors ones = Make(vars, 1.0f);
+  ASSERT_TRUE(chief->Push(ones.cptrs(), {1, 0}).ok());
+  EXPECT_EQ(checked_by_client(), 0);
 
   Tensors g = Make(vars, 1.0f);
   g.data[0][1] = std::numeric_limits<float>::quiet_NaN();
   g.data[1].back() = -std::numeric_limits<float>::infinity();
-  const absl::Status pushed = chief->Push(g.cptrs(), {1, 0});
+  const absl::Status pushed = chief->Push(g.cptrs(), {2, 0});
   ASSERT_TRUE(pushed.ok()) << pushed;
   Tensors values = Make(vars, -99.0f);
   ASSERT_TRUE(chief->Pull(values.ptrs()).ok());
-  EXPECT_EQ(values.data[0][0], -1.0f);
+  EXPECT_EQ(values.data[0][0], -2.0f);
   EXPECT_TRUE(std::isnan(values.data[0][1]));
-  EXPECT_EQ(values.data[1].front(), -1.0f);
+  EXPECT_EQ(values.data[1].front(), -2.0f);
   EXPECT_EQ(values.data[1].back(), std::numeric_limits<float>::infinity());
+
+  // Learned while waiting for the chief's variables.
+  auto waiter = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/2);
+  ASSERT_NE(waiter, nullptr);
+  ASSERT_TRUE(waiter->WaitForVariables(absl::Seconds(10)).ok());
+  ASSERT_TRUE(waiter->Push(ones.cptrs(), {1, 0}).ok());
+  EXPECT_EQ(checked_by_client(), 0);
 
   // A client that never registered or waited hears it at its first NaN.
   auto other = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1);
@@ -904,11 +921,11 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   const absl::Status pushed2 = other->Push(g2.cptrs(), {1, 0});
   ASSERT_TRUE(pushed2.ok()) << pushed2;
   ASSERT_TRUE(other->Pull(values.ptrs()).ok());
-  EXPECT_EQ(values.data[0][0], -2.0f);
+  EXPECT_EQ(values.data[0][0], -4.0f);
   EXPECT_EQ(values.data[0][2], -std::numeric_limits<float>::infinity());
-  EXPECT_EQ(values.data[1].front(), -2.0f);
-  // The client scanned nothing, so it vouched for nothing.
-  for (auto& server : servers_) EXPECT_EQ(server->store().stats().pushes_checked_by_client, 0);
+  EXPECT_EQ(values.data[1].front(), -4.0f);
+  // Its scan found a NaN, so it vouched for nothing.
+  EXPECT_EQ(checked_by_client(), 0);
 }
 
 // The client scans every push for NaN/Inf before sending it, and says so in
@@ -1205,32 +1222,36 @@ TEST_F(PsClusterTest, PushIsNotRetriedPastTheShardsRequestIdRetention) {
 // its reply was lost on the way.
 class LoseReplies : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  LoseReplies(std::string method, std::shared_ptr<std::atomic<int>> lose)
-      : method_(std::move(method)), lose_(std::move(lose)) {}
+  LoseReplies(std::string method, std::shared_ptr<std::atomic<int>> lose,
+              grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE)
+      : method_(std::move(method)), lose_(std::move(lose)), code_(code) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     if (method_ != info->method()) return nullptr;
-    return new Lose(lose_);
+    return new Lose(lose_, code_);
   }
 
  private:
   class Lose : public grpc::experimental::Interceptor {
    public:
-    explicit Lose(std::shared_ptr<std::atomic<int>> lose) : lose_(std::move(lose)) {}
+    Lose(std::shared_ptr<std::atomic<int>> lose, grpc::StatusCode code)
+        : lose_(std::move(lose)), code_(code) {}
     void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
       if (methods->QueryInterceptionHookPoint(
               grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS) &&
           lose_->fetch_sub(1) > 0) {
-        methods->ModifySendStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "reply lost"));
+        methods->ModifySendStatus(grpc::Status(code_, "reply lost"));
       }
       methods->Proceed();
     }
 
    private:
     std::shared_ptr<std::atomic<int>> lose_;
+    const grpc::StatusCode code_;
   };
   const std::string method_;
   std::shared_ptr<std::atomic<int>> lose_;
+  const grpc::StatusCode code_;
 };
 
 // The client's own retry, end to end: a push (or PushPull) whose reply was
@@ -1332,6 +1353,37 @@ TEST_F(PsClusterTest, PushRetriesKeepToTheShardsShorterRetention) {
   const absl::Status waited = (*waiter)->Push(grad.cptrs(), {3, 0});
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
   EXPECT_THAT(waited.message(), HasSubstr("keeps them 5s"));
+}
+
+// A client that has learned that every shard allows NaN/Inf scans its pushes
+// again once a shard refuses one (it may have been restarted without the
+// flag), until the shards are asked again.
+TEST_F(PsClusterTest, ClientScansAgainAfterAShardRefusedAPush) {
+  allow_non_finite_ = {true, true};
+  auto refuse = std::make_shared<std::atomic<int>>(0);
+  interceptors_ = [&] {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+    v.push_back(std::make_unique<LoseReplies>("/psflow.ParameterServer/Push", refuse,
+                                              grpc::StatusCode::INVALID_ARGUMENT));
+    return v;
+  };
+  StartCluster(2, SgdLr1());
+  const std::vector<VariableSpec> vars = {{"b", {3}}, {"w", {600, 1000}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
+  auto checked_by_client = [&] {
+    int64_t n = 0;
+    for (auto& server : servers_) n += server->store().stats().pushes_checked_by_client;
+    return n;
+  };
+  const Tensors ones = Make(vars, 1.0f);
+  ASSERT_TRUE(client->Push(ones.cptrs(), {1, 0}).ok());
+  EXPECT_EQ(checked_by_client(), 0) << "the shards allow NaN/Inf: no scan";
+  *refuse = 1;
+  EXPECT_EQ(client->Push(ones.cptrs(), {2, 0}).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(client->Push(ones.cptrs(), {3, 0}).ok());
+  EXPECT_EQ(checked_by_client(), 2) << "scanned again, on both shards";
 }
 
 // Options and tensors the client cannot use are refused before any call,
