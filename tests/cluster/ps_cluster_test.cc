@@ -116,6 +116,14 @@ class PsClusterTest : public ::testing::Test {
     return client.ok() ? std::move(*client) : nullptr;
   }
 
+  // Push calls whose header said the client had checked the gradient, over
+  // all shards.
+  int64_t PushesCheckedByClient() {
+    int64_t n = 0;
+    for (auto& server : servers_) n += server->store().stats().pushes_checked_by_client;
+    return n;
+  }
+
   std::unique_ptr<ParameterServer::Stub> Stub(int shard) {
     return ParameterServer::NewStub(
         grpc::CreateChannel(addresses_[shard], grpc::InsecureChannelCredentials()));
@@ -883,16 +891,11 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   auto statuses = chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
   for (const auto& st : *statuses) EXPECT_TRUE(st.allows_non_finite_gradients());
-  auto checked_by_client = [&] {
-    int64_t n = 0;
-    for (auto& server : servers_) n += server->store().stats().pushes_checked_by_client;
-    return n;
-  };
   // Learned at registration: a finite gradient is not even scanned (a
   // scanned push would say so in its header, and the shards count those).
   const Tensors ones = Make(vars, 1.0f);
   ASSERT_TRUE(chief->Push(ones.cptrs(), {1, 0}).ok());
-  EXPECT_EQ(checked_by_client(), 0);
+  EXPECT_EQ(PushesCheckedByClient(), 0);
 
   Tensors g = Make(vars, 1.0f);
   g.data[0][1] = std::numeric_limits<float>::quiet_NaN();
@@ -911,7 +914,7 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   ASSERT_NE(waiter, nullptr);
   ASSERT_TRUE(waiter->WaitForVariables(absl::Seconds(10)).ok());
   ASSERT_TRUE(waiter->Push(ones.cptrs(), {1, 0}).ok());
-  EXPECT_EQ(checked_by_client(), 0);
+  EXPECT_EQ(PushesCheckedByClient(), 0);
 
   // A client that never registered or waited hears it at its first NaN.
   auto other = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1);
@@ -925,7 +928,7 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   EXPECT_EQ(values.data[0][2], -std::numeric_limits<float>::infinity());
   EXPECT_EQ(values.data[1].front(), -4.0f);
   // Its scan found a NaN, so it vouched for nothing.
-  EXPECT_EQ(checked_by_client(), 0);
+  EXPECT_EQ(PushesCheckedByClient(), 0);
 }
 
 // The client scans every push for NaN/Inf before sending it, and says so in
@@ -1372,18 +1375,13 @@ TEST_F(PsClusterTest, ClientScansAgainAfterAShardRefusedAPush) {
   auto client = Client(vars);
   ASSERT_NE(client, nullptr);
   ASSERT_TRUE(client->Register(Make(vars, 0.0f).cptrs()).ok());
-  auto checked_by_client = [&] {
-    int64_t n = 0;
-    for (auto& server : servers_) n += server->store().stats().pushes_checked_by_client;
-    return n;
-  };
   const Tensors ones = Make(vars, 1.0f);
   ASSERT_TRUE(client->Push(ones.cptrs(), {1, 0}).ok());
-  EXPECT_EQ(checked_by_client(), 0) << "the shards allow NaN/Inf: no scan";
+  EXPECT_EQ(PushesCheckedByClient(), 0) << "the shards allow NaN/Inf: no scan";
   *refuse = 1;
   EXPECT_EQ(client->Push(ones.cptrs(), {2, 0}).code(), absl::StatusCode::kInvalidArgument);
   ASSERT_TRUE(client->Push(ones.cptrs(), {3, 0}).ok());
-  EXPECT_EQ(checked_by_client(), 2) << "scanned again, on both shards";
+  EXPECT_EQ(PushesCheckedByClient(), 2) << "scanned again, on both shards";
 }
 
 // Options and tensors the client cannot use are refused before any call,
