@@ -1358,6 +1358,62 @@ TEST_F(PsClusterTest, PushRetriesKeepToTheShardsShorterRetention) {
   EXPECT_THAT(waited.message(), HasSubstr("keeps them 5s"));
 }
 
+// A shard that serves only GetStatus, answering `status`, and fails every
+// Push with UNAVAILABLE after reading it: what a client learns from a
+// status alone.
+class StatusOnlyShard final : public ParameterServer::Service {
+ public:
+  explicit StatusOnlyShard(StatusResponse status) : status_(std::move(status)) {}
+  grpc::Status GetStatus(grpc::ServerContext*, const StatusRequest*, StatusResponse* out) override {
+    *out = status_;
+    return grpc::Status::OK;
+  }
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<PushRequest>* reader,
+                    PushResponse*) override {
+    PushRequest msg;
+    while (reader->Read(&msg)) {
+    }
+    ++pushes;
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "try again");
+  }
+  std::atomic<int> pushes{0};
+
+ private:
+  const StatusResponse status_;
+};
+
+// A status that does not report a retention (a server that predates the
+// field, or another implementation) leaves the client's own in force; one
+// that reports 0 means no retry is safe.
+TEST_F(PsClusterTest, ClientKeepsItsOwnRetentionWhereAShardReportsNone) {
+  for (bool reported : {false, true}) {
+    SCOPED_TRACE(reported ? "the shard reports 0 ms" : "the shard reports nothing");
+    StatusResponse status;
+    status.add_parts();  // the model's one part: the variables are there
+    if (reported) status.set_request_id_retention_ms(0);
+    StatusOnlyShard shard(status);
+    grpc::ServerBuilder builder;
+    int port = 0;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    builder.RegisterService(&shard);
+    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    ASSERT_NE(server, nullptr);
+    GrpcPsClientOptions options;
+    options.ps_addresses = {absl::StrCat("127.0.0.1:", port)};
+    options.retry.max_attempts = 3;
+    options.retry.initial_backoff = absl::Milliseconds(1);
+    options.rpc_timeout = absl::Seconds(10);
+    const std::vector<VariableSpec> vars = {{"w", {3}}};
+    auto client = CreateGrpcPsClient(vars, options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->WaitForVariables(absl::Seconds(5)).ok());
+    const absl::Status pushed = (*client)->Push(Make(vars, 1.0f).cptrs(), {1, 0});
+    EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable) << pushed;
+    EXPECT_EQ(shard.pushes.load(), reported ? 1 : 3);
+    server->Shutdown();
+  }
+}
+
 // A client that has learned that every shard allows NaN/Inf scans its pushes
 // again once a shard refuses one (it may have been restarted without the
 // flag), until the shards are asked again.
