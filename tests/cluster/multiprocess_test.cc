@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -205,6 +206,23 @@ TEST_F(MultiProcessTest, PortInUseIsRefused) {
   EXPECT_TRUE(IsRunning(first));
   ::kill(first, SIGTERM);
   EXPECT_EQ(Reap(first, std::chrono::seconds(20)), 0) << ReadFile(log);
+}
+
+// The start line says when the shard applies NaN/Inf gradients, so that an
+// operator sees it in the log.
+TEST_F(MultiProcessTest, StartLineSaysWhetherNonFiniteGradientsAreApplied) {
+  for (bool allow : {false, true}) {
+    const std::string log = dir_ + (allow ? "/ps_allow.log" : "/ps.log");
+    std::vector<std::string> args = {PSFLOW_PS_SERVER_BIN, "--port=0"};
+    if (allow) args.push_back("--allow_non_finite_gradients");
+    const pid_t pid = Start(args, "", log);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+    ::kill(pid, SIGTERM);
+    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+    EXPECT_EQ(absl::StrContains(ReadFile(log), ", NaN/Inf gradients applied\n"), allow)
+        << ReadFile(log);
+  }
 }
 
 // A "unix:path" ps address is listened on as such (it used to become a
