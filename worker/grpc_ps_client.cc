@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <system_error>
 #include <thread>
 
@@ -171,7 +172,8 @@ class GrpcPsClient final : public PsClient {
         options_(options),
         scan_threads_(std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1,
                                       kMaxScanThreads)),
-        push_retry_(PushRetryOptions(options, options.request_id_retention, "")),
+        push_retry_(std::make_shared<const RetryOptions>(
+            PushRetryOptions(options, options.request_id_retention, ""))),
         shards_(plan_.num_shards()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
@@ -372,13 +374,13 @@ class GrpcPsClient final : public PsClient {
   absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "Push", "gradient"));
     PSFLOW_ASSIGN_OR_RETURN(const bool checked, CheckFinite(grads));
-    const RetryOptions push_retry = PushRetry();
+    const std::shared_ptr<const RetryOptions> push_retry = PushRetry();
     GradientRefs* refs = GradientRefs::Create();
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryCall(push_retry, [&] {
+      return RetryCall(*push_retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end) {
           return PushOnce(s, k, begin, end, grads, {info, request_id, checked}, refs);
         });
@@ -393,13 +395,13 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "PushPull", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
     PSFLOW_ASSIGN_OR_RETURN(const bool checked, CheckFinite(grads));
-    const RetryOptions push_retry = PushRetry();
+    const std::shared_ptr<const RetryOptions> push_retry = PushRetry();
     std::vector<PullResult> results(plan_.num_shards());
     GradientRefs* refs = GradientRefs::Create();
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
-      return RetryCall(push_retry, [&] {
+      return RetryCall(*push_retry, [&] {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
@@ -580,7 +582,8 @@ class GrpcPsClient final : public PsClient {
         absl::Milliseconds(std::max<int64_t>(0, statuses[shortest].request_id_retention_ms()));
     if (retention >= options_.request_id_retention) return;
     absl::MutexLock lock(&policy_mu_);
-    push_retry_ = PushRetryOptions(options_, retention, shards_[shortest].name);
+    push_retry_ = std::make_shared<const RetryOptions>(
+        PushRetryOptions(options_, retention, shards_[shortest].name));
   }
 
   // A shard that refused a push may have been restarted without
@@ -593,7 +596,8 @@ class GrpcPsClient final : public PsClient {
     non_finite_policy_.compare_exchange_strong(allow, kPolicyUnknown);
   }
 
-  RetryOptions PushRetry() const {
+  // Shared, so that a push takes it without copying its strings.
+  std::shared_ptr<const RetryOptions> PushRetry() const {
     absl::MutexLock lock(&policy_mu_);
     return push_retry_;
   }
@@ -902,7 +906,7 @@ class GrpcPsClient final : public PsClient {
   enum NonFinitePolicy { kPolicyUnknown, kShardsRefuseNonFinite, kShardsAllowNonFinite };
   std::atomic<int> non_finite_policy_{kPolicyUnknown};
   mutable absl::Mutex policy_mu_;
-  RetryOptions push_retry_ ABSL_GUARDED_BY(policy_mu_);
+  std::shared_ptr<const RetryOptions> push_retry_ ABSL_GUARDED_BY(policy_mu_);
   std::vector<Shard> shards_;
   absl::Mutex id_mu_;
   absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);
