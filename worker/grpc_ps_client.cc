@@ -337,8 +337,8 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       return RetryCall(options_.retry, [&] {
         std::vector<PullResult> parts(NumStreams(s));
-        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t) {
-          return PullOnce(s, k, values, &parts[k]);
+        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t, absl::Time deadline) {
+          return PullOnce(s, k, deadline, values, &parts[k]);
         }));
         results[s] = CombineStreams(parts);
         return absl::OkStatus();
@@ -381,8 +381,8 @@ class GrpcPsClient final : public PsClient {
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
       return RetryCall(*push_retry, [&] {
-        return ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushOnce(s, k, begin, end, grads, {info, request_id, checked}, refs);
+        return ForEachStream(s, [&](int k, size_t begin, size_t end, absl::Time deadline) {
+          return PushOnce(s, k, begin, end, deadline, grads, {info, request_id, checked}, refs);
         });
       });
     });
@@ -405,10 +405,11 @@ class GrpcPsClient final : public PsClient {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
-        PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t begin, size_t end) {
-          return PushPullOnce(s, k, begin, end, grads, {info, request_id, checked}, refs, values,
-                              &parts[k], &received[k]);
-        }));
+        PSFLOW_RETURN_IF_ERROR(
+            ForEachStream(s, [&](int k, size_t begin, size_t end, absl::Time deadline) {
+              return PushPullOnce(s, k, begin, end, deadline, grads, {info, request_id, checked},
+                                  refs, values, &parts[k], &received[k]);
+            }));
         int64_t total = 0;
         for (int k = 0; k < streams; ++k) total += received[k];
         PSFLOW_RETURN_IF_ERROR(CheckReceived(s, total, ShardElements(s)));
@@ -506,13 +507,19 @@ class GrpcPsClient final : public PsClient {
     return {m * k / streams, m * (k + 1) / streams};
   }
 
-  // Runs fn(k, begin, end) for each stream k of a push to shard s, in
-  // parallel, with messages [begin, end) of the shard's push; their
-  // statuses combined by CombineStreamStatuses.
-  absl::Status ForEachStream(int s, const std::function<absl::Status(int, size_t, size_t)>& fn) {
+  // Runs fn(k, begin, end, deadline) for each stream k of a push to shard
+  // s, in parallel, with messages [begin, end) of the shard's push; their
+  // statuses combined by CombineStreamStatuses. Every stream ends by the
+  // same deadline, rpc_timeout from now, even one that ParallelFor runs
+  // after the others (no thread could be started for it): one attempt
+  // never outlasts rpc_timeout, which the retry window of a push counts on
+  // (PushRetryOptions).
+  absl::Status ForEachStream(
+      int s, const std::function<absl::Status(int, size_t, size_t, absl::Time)>& fn) {
+    const absl::Time deadline = absl::Now() + options_.rpc_timeout;
     auto run = [&](int k) {
       const auto [begin, end] = StreamShare(s, k);
-      return fn(k, begin, end);
+      return fn(k, begin, end, deadline);
     };
     const int streams = NumStreams(s);
     if (streams == 1) return run(0);
@@ -771,13 +778,13 @@ class GrpcPsClient final : public PsClient {
 
   // One stream of a push to shard s: messages [begin, end) on connection k,
   // its gradient slices counted by `refs`.
-  absl::Status PushOnce(int s, int k, size_t begin, size_t end,
+  absl::Status PushOnce(int s, int k, size_t begin, size_t end, absl::Time deadline,
                         absl::Span<const float* const> grads, const PushCall& call,
                         GradientRefs* refs) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     grpc::ClientContext context;
-    SetDeadline(&context);
+    SetDeadline(&context, deadline);
     PushResponse response;
     // What the generated stub does, with ByteBuffer messages (PushEncoder).
     std::unique_ptr<grpc::ClientWriter<grpc::ByteBuffer>> writer(
@@ -807,11 +814,12 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Connection k's pull of shard s (see BuildPullRequest).
-  absl::Status PullOnce(int s, int k, absl::Span<float* const> values, PullResult* result) {
+  absl::Status PullOnce(int s, int k, absl::Time deadline, absl::Span<float* const> values,
+                        PullResult* result) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     grpc::ClientContext context;
-    SetDeadline(&context);
+    SetDeadline(&context, deadline);
     // What the generated stub does, reading raw ByteBuffers: each segment's
     // data is copied once, from gRPC's slices straight into the tensor.
     std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
@@ -833,14 +841,14 @@ class GrpcPsClient final : public PsClient {
   // reads the values coming back (the server answers each message as soon
   // as it is applied, so both must run at once). The elements received are
   // added to `*received`.
-  absl::Status PushPullOnce(int s, int k, size_t begin, size_t end,
+  absl::Status PushPullOnce(int s, int k, size_t begin, size_t end, absl::Time deadline,
                             absl::Span<const float* const> grads, const PushCall& call,
                             GradientRefs* refs, absl::Span<float* const> values, PullResult* result,
                             int64_t* received) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     grpc::ClientContext context;
-    SetDeadline(&context);
+    SetDeadline(&context, deadline);
     std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
         grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_pull_method, &context));

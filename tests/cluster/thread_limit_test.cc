@@ -14,8 +14,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
+#include "psflow.grpc.pb.h"
 #include "worker/grpc_ps_client.h"
 
 namespace {
@@ -137,6 +143,75 @@ TEST_F(ThreadLimitTest, PushPullWithoutItsWriterThreadIsRetriedAndAppliedOnce) {
   EXPECT_EQ(g_refused.load(), 1) << "no thread was refused: the test tested nothing";
   EXPECT_EQ(values[0], std::vector<float>(100, -3.0f));
   EXPECT_EQ(Pulled()[0], std::vector<float>(100, -3.0f));
+}
+
+// A shard that accepts every Push without applying it, noting the deadline
+// each call arrived with; the first call is answered only after `delay`.
+class DeadlineRecordingShard final : public ParameterServer::Service {
+ public:
+  explicit DeadlineRecordingShard(absl::Duration delay) : delay_(delay) {}
+  grpc::Status Push(grpc::ServerContext* context, grpc::ServerReader<PushRequest>* reader,
+                    PushResponse*) override {
+    PushRequest msg;
+    while (reader->Read(&msg)) {
+    }
+    bool first = false;
+    {
+      absl::MutexLock lock(&mu_);
+      first = deadlines_.empty();
+      deadlines_.push_back(absl::FromChrono(context->deadline()));
+    }
+    if (first) absl::SleepFor(delay_);
+    return grpc::Status::OK;
+  }
+  std::vector<absl::Time> deadlines() {
+    absl::MutexLock lock(&mu_);
+    return deadlines_;
+  }
+
+ private:
+  const absl::Duration delay_;
+  absl::Mutex mu_;
+  std::vector<absl::Time> deadlines_ ABSL_GUARDED_BY(mu_);
+};
+
+// A push split over two connections whose second stream cannot have a
+// thread runs that stream after the first on the caller's thread. It must
+// keep the attempt's deadline rather than start a fresh one: the push's
+// retry window assumes that no attempt outlasts rpc_timeout, after which
+// a shard that forgot the request id would apply a late retry twice.
+TEST(ThreadLimitDeadlineTest, StreamsRunOneAfterAnotherShareTheAttemptsDeadline) {
+  const absl::Duration delay = absl::Seconds(1);
+  DeadlineRecordingShard shard(delay);
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&shard);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  GrpcPsClientOptions options;
+  options.ps_addresses = {absl::StrCat("127.0.0.1:", port)};
+  options.streams_per_shard = 2;
+  options.max_chunk_bytes = 64;  // 4 messages: 2 per stream
+  options.rpc_timeout = absl::Seconds(30);
+  auto client = CreateGrpcPsClient({{"w", {64}}}, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const std::vector<float> grad(64, 1.0f);
+  const std::vector<const float*> grads = {grad.data()};
+  g_refused = 0;
+  g_refuse = 1;
+  const absl::Status pushed = (*client)->Push(grads, {1, 0});
+  g_refuse = 0;
+  EXPECT_TRUE(pushed.ok()) << pushed;
+  EXPECT_EQ(g_refused.load(), 1) << "no thread was refused: the streams ran in parallel";
+  const std::vector<absl::Time> deadlines = shard.deadlines();
+  ASSERT_EQ(deadlines.size(), 2u);
+  // The second stream started `delay` after the first; a deadline of its
+  // own would end that much later (the tolerance allows for the time a
+  // call takes to reach the server on a loaded machine).
+  EXPECT_LT(absl::AbsDuration(deadlines[1] - deadlines[0]), delay / 2)
+      << "the second stream's deadline is " << deadlines[1] - deadlines[0] << " after the first's";
+  server->Shutdown();
 }
 
 }  // namespace
