@@ -7,15 +7,18 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/any_invocable.h"
-#include "absl/synchronization/notification.h"
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/grpc_args.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
@@ -282,10 +285,97 @@ class ResponseWriter {
 // The method table is written here (as the generated Service constructor
 // does) because gRPC generates no synchronous raw methods; the wire bytes
 // are those of proto/psflow.proto.
+// Admits at most `limit` calls that read or change variables
+// (RegisterVariables, Pull, Push, PushPull) at once (--threads), in the
+// order they arrive; the others wait, each on its gRPC thread, until one
+// ends or until they are cancelled (their deadline passed, the client went
+// away, or the server is shutting down). GetStatus, the health service and
+// reflection are never held. gRPC's own limit (ResourceQuota's
+// SetMaxThreads), used before, refused every call beyond it with
+// RESOURCE_EXHAUSTED "Server Threadpool Exhausted", which no client
+// retries: eight workers against shards with --threads=8 stopped, and a
+// busy shard failed its health checks.
+class CallGate {
+ public:
+  explicit CallGate(int limit) : limit_(limit) {}
+
+  // A place among the admitted calls, held until destroyed.
+  class Slot {
+   public:
+    Slot() = default;
+    Slot(Slot&& other) noexcept : gate_(std::exchange(other.gate_, nullptr)) {}
+    Slot& operator=(Slot&&) = delete;
+    ~Slot() {
+      if (gate_ != nullptr) gate_->Leave();
+    }
+
+   private:
+    friend class CallGate;
+    explicit Slot(CallGate* gate) : gate_(gate) {}
+    CallGate* gate_ = nullptr;
+  };
+
+  // A slot for the call of `context` once it is its turn; CANCELLED or
+  // DEADLINE_EXCEEDED, naming `method`, if the call ends while it waits.
+  absl::StatusOr<Slot> Enter(grpc::ServerContext* context, absl::string_view method) {
+    absl::MutexLock lock(&mu_);
+    if (limit_ <= 0 || (active_ < limit_ && waiting_.empty())) {
+      ++active_;
+      return Slot(this);
+    }
+    const uint64_t ticket = next_ticket_++;
+    waiting_.push_back(ticket);
+    ++calls_waited_;
+    const absl::Time deadline = absl::FromChrono(context->deadline());
+    auto my_turn = [this, ticket]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return active_ < limit_ && waiting_.front() == ticket;
+    };
+    // Cancellation is polled: gRPC's sync API has no wake-up for it.
+    while (!mu_.AwaitWithTimeout(absl::Condition(&my_turn), kCancelPoll)) {
+      const bool cancelled = context->IsCancelled();
+      if (!cancelled && absl::Now() < deadline) continue;
+      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), ticket));
+      const std::string why = absl::StrCat(
+          method, ": the call ended while it waited for one of the ", limit_,
+          " calls this shard serves at once (--threads) to finish; nothing was applied");
+      return cancelled ? absl::CancelledError(why) : absl::DeadlineExceededError(why);
+    }
+    waiting_.pop_front();
+    ++active_;
+    return Slot(this);
+  }
+
+  struct Counts {
+    int serving = 0;     // calls admitted now
+    int waiting = 0;     // calls waiting for a slot now
+    int64_t waited = 0;  // calls that had to wait, since the start
+  };
+  Counts counts() const {
+    absl::MutexLock lock(&mu_);
+    return {active_, static_cast<int>(waiting_.size()), calls_waited_};
+  }
+
+ private:
+  static constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
+
+  void Leave() {
+    absl::MutexLock lock(&mu_);
+    --active_;
+  }
+
+  const int limit_;  // 0: no limit
+  mutable absl::Mutex mu_;
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  std::deque<uint64_t> waiting_ ABSL_GUARDED_BY(mu_);  // tickets, in arrival order
+  uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t calls_waited_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class PsServer::Service final : public grpc::Service {
  public:
-  Service(VariableStore* store, int apply_threads, int apply_window)
+  Service(VariableStore* store, int max_calls, int apply_threads, int apply_window)
       : store_(store),
+        gate_(max_calls),
         pool_(std::make_shared<BufferPool>()),
         appliers_(apply_threads > 0 ? std::make_unique<ApplierPool>(apply_threads) : nullptr),
         apply_window_(std::max(apply_window, 1)) {
@@ -296,6 +386,8 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::ClientStreamingHandler<Service, grpc::ByteBuffer, RegisterResponse>(
             [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                RegisterResponse* response) {
+              auto slot = s->gate_.Enter(ctx, "RegisterVariables");
+              if (!slot.ok()) return ToGrpcStatus(slot.status());
               return ToGrpcStatus(s->DoRegister(ctx, reader, response));
             },
             this)));
@@ -304,6 +396,8 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::ServerStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
             [](Service* s, grpc::ServerContext* ctx, const grpc::ByteBuffer* bytes,
                grpc::ServerWriter<grpc::ByteBuffer>* writer) {
+              auto slot = s->gate_.Enter(ctx, "Pull");
+              if (!slot.ok()) return ToGrpcStatus(slot.status());
               // Read in place (common/grpc_wire.h): a request costs its
               // own bytes, once, however many ranges it names.
               std::vector<grpc::Slice> slices;
@@ -332,6 +426,8 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::ClientStreamingHandler<Service, grpc::ByteBuffer, PushResponse>(
             [](Service* s, grpc::ServerContext* ctx, grpc::ServerReader<grpc::ByteBuffer>* reader,
                PushResponse* response) {
+              auto slot = s->gate_.Enter(ctx, "Push");
+              if (!slot.ok()) return ToGrpcStatus(slot.status());
               return ToGrpcStatus(s->DoPush(ctx, reader, response));
             },
             this)));
@@ -340,6 +436,8 @@ class PsServer::Service final : public grpc::Service {
         new grpc::internal::BidiStreamingHandler<Service, grpc::ByteBuffer, grpc::ByteBuffer>(
             [](Service* s, grpc::ServerContext* ctx,
                grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+              auto slot = s->gate_.Enter(ctx, "PushPull");
+              if (!slot.ok()) return ToGrpcStatus(slot.status());
               return ToGrpcStatus(s->DoPushPull(ctx, stream));
             },
             this)));
@@ -383,6 +481,10 @@ class PsServer::Service final : public grpc::Service {
     response->set_stripes_copied_on_write(stats.stripes_copied_on_write);
     response->set_allows_non_finite_gradients(o.allow_non_finite_gradients);
     response->set_pushes_checked_by_client(stats.pushes_checked_by_client);
+    const CallGate::Counts calls = gate_.counts();
+    response->set_calls_serving(calls.serving);
+    response->set_calls_waiting(calls.waiting);
+    response->set_calls_waited(calls.waited);
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());
@@ -859,6 +961,7 @@ class PsServer::Service final : public grpc::Service {
   }
 
   VariableStore* const store_;
+  CallGate gate_;  // --threads
   const std::shared_ptr<BufferPool> pool_;
   const std::unique_ptr<ApplierPool> appliers_;  // null: apply on the handler thread
   const int apply_window_;  // messages of one push applied at once
@@ -875,8 +978,8 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
   const int apply_threads =
       options.apply_threads >= 0 ? options.apply_threads : (cores >= 4 ? std::min(cores, 16) : 0);
-  server->service_ =
-      std::make_unique<Service>(server->store_.get(), apply_threads, options.apply_window);
+  server->service_ = std::make_unique<Service>(server->store_.get(), options.threads, apply_threads,
+                                               options.apply_window);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -899,11 +1002,6 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   defaults.emplace_back(GRPC_ARG_ALLOW_REUSEPORT, "0");
   const GrpcArgs args = OverrideGrpcArgs(std::move(defaults), options.grpc_args);
   builder.SetOption(GrpcArgsOption(args));
-  if (options.threads > 0) {
-    grpc::ResourceQuota quota("psflow_ps");
-    quota.SetMaxThreads(std::max(options.threads, 2));
-    builder.SetResourceQuota(quota);
-  }
   if (options.interceptors) builder.experimental().SetInterceptorCreators(options.interceptors());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {

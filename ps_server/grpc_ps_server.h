@@ -29,7 +29,11 @@ struct PsServerOptions {
   // "host:port" (port 0 picks a free one) or "unix:/path/to/socket".
   std::string address = "0.0.0.0:0";
   VariableStoreOptions store;
-  // Most threads gRPC may use to serve calls; 0 leaves gRPC's default.
+  // Most calls that read or change variables (RegisterVariables, Pull,
+  // Push, PushPull) served at once, each on a gRPC thread of its own; the
+  // others wait their turn in arrival order until their deadline (never
+  // refused for it). 0: no limit. GetStatus, health and reflection calls
+  // are never held.
   int threads = 0;
   // Threads that apply pushed gradients while the next chunks are read;
   // 0 applies on the thread that reads (no pipeline); -1 picks one per core

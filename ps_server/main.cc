@@ -57,7 +57,10 @@ ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7)
 ABSL_FLAG(double, momentum, 0.0, "SGD: momentum (0 = plain SGD).");
 ABSL_FLAG(bool, nesterov, false, "SGD: Nesterov momentum.");
 ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator value.");
-ABSL_FLAG(int, threads, 0, "Most threads serving calls (0 = gRPC's default).");
+ABSL_FLAG(int, threads, 0,
+          "Most calls that register, pull or push served at once (0 = no limit); more wait "
+          "their turn, in arrival order, until their deadline, rather than fail. GetStatus and "
+          "health checks never wait.");
 ABSL_FLAG(int, apply_threads, -1,
           "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
           "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0).");

@@ -89,6 +89,7 @@ class PsClusterTest : public ::testing::Test {
       options.store.num_shards = num_shards;
       options.store.optimizer = optimizer;
       options.store.max_chunk_bytes = server_max_chunk;
+      options.threads = threads_;
       options.store.allow_non_finite_gradients =
           static_cast<size_t>(s) < allow_non_finite_.size() && allow_non_finite_[s];
       // Even shards apply pushes on a pipeline of applier threads, odd ones
@@ -132,6 +133,9 @@ class PsClusterTest : public ::testing::Test {
   // PushPull's answers are the values right after its own update.
   void CheckPushPullValues(int streams);
 
+  // 8 workers push `pushes` known gradients each (PushConcurrently).
+  void PushConcurrently(int pushes);
+
   // Registers `vars` at 0.5, pushes three fixed gradients through `client`
   // and returns what a Pull then reads (each part at version 3).
   Tensors ThreeAdamSteps(PsClient* client, const std::vector<VariableSpec>& vars) {
@@ -168,6 +172,7 @@ class PsClusterTest : public ::testing::Test {
   std::vector<std::unique_ptr<PsServer>> servers_;
   std::vector<std::string> addresses_;
   std::vector<bool> allow_non_finite_;  // by shard: --allow_non_finite_gradients
+  int threads_ = 0;                     // --threads of every shard
   std::function<
       std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>>()>
       interceptors_;
@@ -253,13 +258,13 @@ TEST_F(PsClusterTest, RegistrationIsIdempotentAndKeepsTrainedValues) {
   EXPECT_EQ(pulled->min_version, 1);
 }
 
-// 8 workers each push 200 known gradients with SGD(lr=1) to the same
+// 8 workers each push `pushes` known gradients with SGD(lr=1) to the same
 // variables; the result must be exactly the initial value minus the sum.
-TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
+void PsClusterTest::PushConcurrently(const int pushes) {
   StartCluster(3, SgdLr1());
   // A small split threshold so that "big" is split over all three shards.
   const std::vector<VariableSpec> vars = {{"big", {300, 40}}, {"mid", {50, 7}}, {"small", {5}}};
-  constexpr int kThreads = 8, kPushes = 200;
+  constexpr int kThreads = 8;
   auto chief = Client(vars, /*chunk=*/8 * 1024, /*min_split=*/12 * 1024);
   ASSERT_EQ(chief->plan().PartsOfVariable(0).size(), 3u);
   Tensors init = Make(vars, 0);
@@ -279,7 +284,7 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
     threads.emplace_back([&, t] {
       auto client = Client(vars, 8 * 1024, 12 * 1024, t, /*streams=*/1 + t % 3);
       Tensors g = Make(vars, 0), values = Make(vars, 0);
-      for (int k = 0; k < kPushes && results[t].ok(); ++k) {
+      for (int k = 0; k < pushes && results[t].ok(); ++k) {
         for (auto& d : g.data) {
           for (size_t i = 0; i < d.size(); ++i) d[i] = grad_value(t, k, i);
         }
@@ -301,13 +306,34 @@ TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) {
     for (size_t i = 0; i < out.data[v].size(); ++i) {
       double expected = 0;
       for (int t = 0; t < kThreads; ++t) {
-        for (int k = 0; k < kPushes; ++k) expected -= grad_value(t, k, i);
+        for (int k = 0; k < pushes; ++k) expected -= grad_value(t, k, i);
       }
       ASSERT_EQ(out.data[v][i], static_cast<float>(expected)) << vars[v].name << "[" << i << "]";
     }
   }
-  EXPECT_EQ(pulled->min_version, kThreads * kPushes);
-  EXPECT_EQ(pulled->max_version, kThreads * kPushes);
+  EXPECT_EQ(pulled->min_version, kThreads * pushes);
+  EXPECT_EQ(pulled->max_version, kThreads * pushes);
+}
+
+TEST_F(PsClusterTest, ConcurrentPushesLoseNoUpdate) { PushConcurrently(200); }
+
+// The same with shards that serve 2 calls at once (--threads=2) against
+// the workers' 16 streams: the others wait their turn instead of being
+// refused (gRPC's thread limit answered RESOURCE_EXHAUSTED).
+TEST_F(PsClusterTest, ShardsServingFewerCallsThanTheWorkersOpenQueueTheRest) {
+  threads_ = 2;
+  PushConcurrently(50);
+  int64_t waited = 0;
+  for (auto& server : servers_) {
+    auto status = Stub(&server - &servers_[0]);
+    StatusResponse response;
+    grpc::ClientContext context;
+    ASSERT_TRUE(status->GetStatus(&context, StatusRequest(), &response).ok());
+    EXPECT_EQ(response.calls_serving(), 0);
+    EXPECT_EQ(response.calls_waiting(), 0);
+    waited += response.calls_waited();
+  }
+  EXPECT_GT(waited, 0) << "no call waited: the limit was not reached";
 }
 
 // Adam on the PS, end to end: one step moves each parameter by lr against
@@ -854,6 +880,83 @@ TEST_F(RawPushTest, ClientRefusesNonFiniteGradientsBeforeSending) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(status.message(), HasSubstr("'w'"));
   EXPECT_THAT(Values(), ::testing::Each(0.0f));
+}
+
+// A shard serving one call at a time (--threads=1).
+class OneCallAtATimeTest : public RawPushTest {
+ protected:
+  void SetUp() override {
+    threads_ = 1;
+    RawPushTest::SetUp();
+  }
+
+  StatusResponse Status() {
+    StatusResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    EXPECT_TRUE(stub_->GetStatus(&context, StatusRequest(), &response).ok());
+    return response;
+  }
+
+  // Waits (up to 20 s) until the shard serves `serving` calls and has
+  // `waiting` waiting; GetStatus itself never waits.
+  bool AwaitCalls(int serving, int waiting) {
+    for (int i = 0; i < 2000; ++i) {
+      const StatusResponse r = Status();
+      if (r.calls_serving() == serving && r.calls_waiting() == waiting) return true;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    return false;
+  }
+};
+
+// A call that arrives while another is served waits for it, in order; one
+// whose deadline passes while it waits leaves the queue without holding up
+// those behind it; each push is applied once.
+TEST_F(OneCallAtATimeTest, CallsWaitTheirTurnAndGiveUpAtTheirDeadline) {
+  // A: a push whose stream stays open until the test writes its message.
+  grpc::ClientContext a_context;
+  PushResponse a_response;
+  auto a = stub_->Push(&a_context, &a_response);
+  ASSERT_TRUE(AwaitCalls(1, 0));
+
+  // B: a pull with a short deadline, which waits and gives up.
+  grpc::Status b_status;
+  std::thread b([&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    auto reader = stub_->Pull(&context, PullRequest());
+    PullResponse response;
+    while (reader->Read(&response)) {
+    }
+    b_status = reader->Finish();
+  });
+  ASSERT_TRUE(AwaitCalls(1, 1));
+  // C: the worker's push of 2s, queued behind B.
+  absl::Status c_status;
+  std::thread c([&] {
+    Tensors g = Make(vars_, 2.0f);
+    c_status = client_->Push(g.cptrs(), {1, 0});
+  });
+  ASSERT_TRUE(AwaitCalls(1, 2));
+  b.join();
+  EXPECT_EQ(b_status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  // C still waits (so nothing of it is applied), no longer behind B.
+  ASSERT_TRUE(AwaitCalls(1, 1)) << "B's place was not given up";
+
+  PushRequest m;
+  m.mutable_header()->set_request_id(7);
+  AddSegment(&m, "w", 0, std::vector<float>(8, 1.0f));
+  ASSERT_TRUE(a->Write(m));
+  a->WritesDone();
+  ASSERT_TRUE(a->Finish().ok());
+  c.join();
+  EXPECT_TRUE(c_status.ok()) << c_status;
+  EXPECT_THAT(Values(), ::testing::Each(-3.0f));
+  const StatusResponse status = Status();
+  EXPECT_EQ(status.calls_serving(), 0);
+  EXPECT_EQ(status.calls_waiting(), 0);
+  EXPECT_EQ(status.calls_waited(), 2);  // B and C
 }
 
 // A gradient large enough to be scanned on several threads (16 MiB a part,
