@@ -924,7 +924,7 @@ TEST_F(OneCallAtATimeTest, CallsWaitTheirTurnAndGiveUpAtTheirDeadline) {
   grpc::Status b_status;
   std::thread b([&] {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
     auto reader = stub_->Pull(&context, PullRequest());
     PullResponse response;
     while (reader->Read(&response)) {
