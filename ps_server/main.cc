@@ -267,12 +267,15 @@ int main(int argc, char** argv) {
   if (!absl::StartsWith(listening, "unix:")) {
     listening = absl::StrCat(listening.substr(0, listening.rfind(':')), ":", (*server)->port());
   }
-  std::printf("ps_server: shard %d of %d listening on %s, optimizer %s, %s%s\n",
+  std::printf("ps_server: shard %d of %d listening on %s, optimizer %s, %s%s%s\n",
               options->store.shard_index, options->store.num_shards, listening.c_str(),
               (*server)->store().optimizer().DebugString().c_str(),
               limit <= 0         ? "no limit on variable bytes"
               : limit >= 1 << 20 ? absl::StrCat("variables up to ", limit >> 20, " MiB").c_str()
                                  : absl::StrCat("variables up to ", limit, " bytes").c_str(),
+              options->threads > 0
+                  ? absl::StrCat(", at most ", options->threads, " calls served at once").c_str()
+                  : "",
               options->store.allow_non_finite_gradients ? ", NaN/Inf gradients applied" : "");
   std::fflush(stdout);
 

@@ -210,18 +210,33 @@ TEST_F(MultiProcessTest, PortInUseIsRefused) {
 
 // The start line says when the shard applies NaN/Inf gradients, so that an
 // operator sees it in the log.
-TEST_F(MultiProcessTest, StartLineSaysWhetherNonFiniteGradientsAreApplied) {
-  for (bool allow : {false, true}) {
-    const std::string log = dir_ + (allow ? "/ps_allow.log" : "/ps.log");
+TEST_F(MultiProcessTest, StartLineSaysWhatLimitsAndPoliciesAreSet) {
+  struct Case {
+    std::vector<std::string> flags;
+    std::string ending;  // of the start line
+  };
+  const std::vector<Case> cases = {
+      {{}, " MiB\n"},
+      {{"--allow_non_finite_gradients"}, " MiB, NaN/Inf gradients applied\n"},
+      {{"--threads=3"}, " MiB, at most 3 calls served at once\n"},
+      {{"--threads=3", "--allow_non_finite_gradients"},
+       ", at most 3 calls served at once, NaN/Inf gradients applied\n"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string log = absl::StrCat(dir_, "/ps", i, ".log");
     std::vector<std::string> args = {PSFLOW_PS_SERVER_BIN, "--port=0"};
-    if (allow) args.push_back("--allow_non_finite_gradients");
+    args.insert(args.end(), cases[i].flags.begin(), cases[i].flags.end());
     const pid_t pid = Start(args, "", log);
     ASSERT_GT(pid, 0);
     ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
     ::kill(pid, SIGTERM);
     EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
-    EXPECT_EQ(absl::StrContains(ReadFile(log), ", NaN/Inf gradients applied\n"), allow)
-        << ReadFile(log);
+    const std::string text = ReadFile(log);
+    const size_t at = text.rfind('\n', text.find("listening on"));
+    const size_t begin = at == std::string::npos ? 0 : at + 1;
+    const std::string start_line = text.substr(begin, text.find('\n', begin) + 1 - begin);
+    EXPECT_TRUE(absl::EndsWith(start_line, cases[i].ending))
+        << absl::StrJoin(cases[i].flags, " ") << ": " << start_line;
   }
 }
 
