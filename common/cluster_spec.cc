@@ -305,8 +305,9 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
   return absl::OkStatus();
 }
 
-// Returns why `address` is not acceptable, or "" when it is.
-std::string AddressProblem(absl::string_view address) {
+// Returns why `address` is not acceptable, or "" when it is; port 0 only
+// where `allow_port_zero` (a listen address: any free port).
+std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
   if (absl::StartsWith(address, "unix:")) {
     return address.size() > 5 ? "" : "has an empty unix socket path";
   }
@@ -349,8 +350,9 @@ std::string AddressProblem(absl::string_view address) {
     return absl::StrFormat("has port %s, which is not a number", Quoted(port));
   }
   int value = 0;
-  if (port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < 1 || value > 65535) {
-    return absl::StrFormat("has port %s, outside 1..65535", Quoted(port));
+  const int lowest = allow_port_zero ? 0 : 1;
+  if (port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < lowest || value > 65535) {
+    return absl::StrFormat("has port %s, outside %d..65535", Quoted(port), lowest);
   }
   return "";
 }
@@ -383,7 +385,7 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
   for (int j = 0; j < kNumJobs; ++j) {
     for (size_t i = 0; i < d.jobs[j].size(); ++i) {
       const std::string& address = d.jobs[j][i];
-      const std::string problem = AddressProblem(address);
+      const std::string problem = AddressProblem(address, /*allow_port_zero=*/false);
       if (!problem.empty()) {
         return absl::InvalidArgumentError(absl::StrFormat("%s is %s, which %s; %s",
                                                           d.job_origin[j].ItemWhere(i),
@@ -525,6 +527,15 @@ std::string ClusterSpec::DebugString() const {
       absl::StrAppend(&out, " ", kJobNames[j], "=[", absl::StrJoin(list, ","), "]");
   }
   return out;
+}
+
+absl::Status CheckListenAddress(absl::string_view flag, absl::string_view address) {
+  const std::string problem = AddressProblem(address, /*allow_port_zero=*/true);
+  if (problem.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "--%s=%s %s; expected \"host:port\" with a port in 0..65535 (0 picks a free one), "
+      "\"[ipv6]:port\" or \"unix:path\"",
+      flag, address, problem));
 }
 
 }  // namespace psflow

@@ -36,7 +36,9 @@
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace psflow {
 
@@ -95,6 +97,11 @@ struct ClusterFlags {
 // True when `tf_config` (getenv("TF_CONFIG")) is unset, empty or blank, which
 // ResolveCluster reads as "no TF_CONFIG".
 bool TfConfigAbsent(const char* tf_config);
+
+// OK when `address`, given by flag --`flag`, is one a server can listen on:
+// "host:port" or "[ipv6]:port" with a port in 0..65535 (0: any free one),
+// or "unix:path"; else INVALID_ARGUMENT naming the flag and the problem.
+absl::Status CheckListenAddress(absl::string_view flag, absl::string_view address);
 
 // Reads `tf_config` (the value of the TF_CONFIG variable; nullptr, empty or
 // blank means absent), then lets each given flag replace its part: a hosts

@@ -132,12 +132,23 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program) {
   // printed help is 1 in Abseil 20220623 (0 in later releases). Its other
   // exits (a bad value, an unknown flag) stay as they are.
   namespace fi = absl::flags_internal;
-  fi::ParseCommandLineImpl(argc, argv, fi::ArgvListAction::kRemoveParsedArgs,
-                           fi::UsageFlagsAction::kIgnoreUsage,
-                           fi::OnUndefinedFlag::kAbortIfUndefined);
+  const std::vector<char*> left = fi::ParseCommandLineImpl(
+      argc, argv, fi::ArgvListAction::kRemoveParsedArgs, fi::UsageFlagsAction::kIgnoreUsage,
+      fi::OnUndefinedFlag::kAbortIfUndefined);
   if (fi::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
     std::cout.flush();
     std::exit(0);
+  }
+  // Abseil leaves what is not a flag, which no psflow binary reads: in
+  // "--nesterov false" the bool was set by "--nesterov" and "false" was
+  // dropped without a word, so the setting was the opposite of the one
+  // asked for.
+  if (left.size() > 1) {
+    std::fprintf(stderr,
+                 "%s: unexpected argument '%s'; %s takes only flags, each value joined to its "
+                 "flag (--name=value; a bool: --name, --noname or --name=false)\n",
+                 program, left[1], program);
+    std::exit(1);
   }
 }
 

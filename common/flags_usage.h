@@ -29,7 +29,9 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 // after --help, --helpfull and their kin have printed (Abseil 20220623
 // exits 1 there, which scripts read as a failure), and first exits 1 with
 // UnknownFlagProblem's message, prefixed with "program: ", on an unknown
-// flag. A bad flag value exits 1 with Abseil's message, as before.
+// flag. A bad flag value exits 1 with Abseil's message, as before, and so
+// does an argument that is not a flag (none of psflow's binaries takes one:
+// "--nesterov false" would set --nesterov and drop "false").
 void ParseFlagsOrExit(int argc, char** argv, const char* program);
 
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';

@@ -1,13 +1,18 @@
 #include "ps_server/grpc_ps_server.h"
 
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -64,6 +69,26 @@ void ToProto(const PartDefinition& def, PartDef* out) {
   for (int64_t d : def.variable_shape) out->add_variable_shape(d);
   out->set_row_begin(def.row_begin);
   out->set_row_end(def.row_end);
+}
+
+// gRPC removes the file at a unix socket's path before it listens there,
+// so a shard given the path of a running one took it over, and the first
+// went on running where no one could reach it. UNAVAILABLE when something
+// accepts connections at `address` ("unix:path"); a socket file that
+// nothing listens on (left by a process that died) is fine.
+absl::Status CheckUnixSocketFree(const std::string& address, int shard_index) {
+  const std::string path = address.substr(5);
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC says why
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::OkStatus();
+  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  if (!live) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("ps shard ", shard_index, " could not listen on ",
+                                             address, ": another process listens there"));
 }
 
 }  // namespace
@@ -146,14 +171,23 @@ class ApplierPool {
     std::shared_ptr<State> state_ = std::make_shared<State>();
   };
 
+  // Starts up to `threads` threads: fewer where no more can be started (a
+  // pid or memory limit), which it says on stderr; see size().
   explicit ApplierPool(int threads) {
     for (int i = 0; i < threads; ++i) {
-      threads_.emplace_back([this] {
-        pthread_setname_np(pthread_self(), "ps_apply");  // for profiles and the benchmark
-        Loop();
-      });
+      try {
+        threads_.emplace_back([this] {
+          pthread_setname_np(pthread_self(), "ps_apply");  // for profiles and the benchmark
+          Loop();
+        });
+      } catch (const std::system_error& e) {
+        std::fprintf(stderr, "ps_server: started %d of %d applier threads (%s)\n", i, threads,
+                     e.what());
+        break;
+      }
     }
   }
+  int size() const { return static_cast<int>(threads_.size()); }
   ~ApplierPool() {
     {
       absl::MutexLock lock(&mu_);
@@ -377,7 +411,7 @@ class PsServer::Service final : public grpc::Service {
       : store_(store),
         gate_(max_calls),
         pool_(std::make_shared<BufferPool>()),
-        appliers_(apply_threads > 0 ? std::make_unique<ApplierPool>(apply_threads) : nullptr),
+        appliers_(MakeAppliers(apply_threads)),
         apply_window_(std::max(apply_window, 1)) {
     using grpc::internal::RpcMethod;
     using grpc::internal::RpcServiceMethod;
@@ -963,6 +997,13 @@ class PsServer::Service final : public grpc::Service {
   VariableStore* const store_;
   CallGate gate_;  // --threads
   const std::shared_ptr<BufferPool> pool_;
+  // Null when there are none: the handler threads apply.
+  static std::unique_ptr<ApplierPool> MakeAppliers(int threads) {
+    if (threads <= 0) return nullptr;
+    auto pool = std::make_unique<ApplierPool>(threads);
+    return pool->size() > 0 ? std::move(pool) : nullptr;
+  }
+
   const std::unique_ptr<ApplierPool> appliers_;  // null: apply on the handler thread
   const int apply_window_;  // messages of one push applied at once
   std::atomic<int64_t> bytes_received_{0};
@@ -981,6 +1022,9 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   server->service_ = std::make_unique<Service>(server->store_.get(), options.threads, apply_threads,
                                                options.apply_window);
 
+  if (absl::StartsWith(options.address, "unix:")) {
+    PSFLOW_RETURN_IF_ERROR(CheckUnixSocketFree(options.address, options.store.shard_index));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -23,6 +23,7 @@
 #include "common/flags_usage.h"
 #include "common/process_stats.h"
 #include "common/protobuf_log.h"
+#include "common/status_macros.h"
 #include "ps_server/grpc_ps_server.h"
 
 ABSL_FLAG(std::optional<int>, port, std::nullopt,
@@ -63,7 +64,8 @@ ABSL_FLAG(int, threads, 0,
           "health checks never wait.");
 ABSL_FLAG(int, apply_threads, -1,
           "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
-          "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0).");
+          "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0; at most "
+          "256).");
 ABSL_FLAG(int, apply_window, 4,
           "With applier threads: messages of one push applied at once, each on its own "
           "element range (1 = one after another, in order).");
@@ -74,7 +76,8 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "grpc.http2.min_ping_interval_without_data_ms=10000, the least time between the "
           "clients' pings).");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
-          "Largest tensor data accepted in one stream message, and the largest sent in a Pull.");
+          "Largest tensor data accepted in one stream message, and the largest sent in a Pull "
+          "(4 bytes to 1 GiB).");
 ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "Most bytes of parameters and optimizer slots this shard holds; a registration "
           "beyond it is refused with RESOURCE_EXHAUSTED before anything is allocated (0 = the "
@@ -99,6 +102,15 @@ namespace {
 
 using psflow::server::PsServer;
 using psflow::server::PsServerOptions;
+
+// The port of "host:port" or "[v6]:port", or the whole "unix:path".
+std::string ListenPortOrPath(const std::string& address) {
+  if (absl::StartsWith(address, "unix:")) return address;
+  return address.substr(address.rfind(':') + 1);
+}
+
+// More applier threads than this would only contend for the cores.
+constexpr int kMaxApplyThreads = 256;
 
 int Fail(const absl::Status& status) {
   const std::string line = absl::StrCat("ps_server: ", status.ToString(), "\n");
@@ -139,7 +151,17 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   // Checked by the store, which names the flag.
   options.store.request_ledger_bytes = absl::GetFlag(FLAGS_request_ledger_bytes);
   options.threads = absl::GetFlag(FLAGS_threads);
+  if (options.threads < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--threads=", options.threads, "; expected 0 (no limit) or more"));
+  }
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
+  if (options.apply_threads < -1 || options.apply_threads > kMaxApplyThreads) {
+    return absl::InvalidArgumentError(absl::StrCat("--apply_threads=", options.apply_threads,
+                                                   "; expected -1 (one per core), 0 (none) or up "
+                                                   "to ",
+                                                   kMaxApplyThreads));
+  }
   options.apply_window = absl::GetFlag(FLAGS_apply_window);
   if (options.apply_window < 1) {
     return absl::InvalidArgumentError(absl::StrCat("--apply_window is ", options.apply_window,
@@ -167,6 +189,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   }
   int shard_index = 0, num_shards = 1;
   std::string listen = "0.0.0.0:2222";
+  std::string cluster_address;  // this shard's in TF_CONFIG / --ps_hosts
   const char* tf_config = std::getenv("TF_CONFIG");
   const bool no_tf_config = psflow::TfConfigAbsent(tf_config);
   if (!no_tf_config || !absl::GetFlag(FLAGS_ps_hosts).empty()) {
@@ -197,6 +220,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     }
     // The address is validated: "unix:path", "[v6]:port" or "host:port".
     const std::string address = cluster->ps[shard_index];
+    cluster_address = address;
     if (absl::StartsWith(address, "unix:")) {
       listen = address;
     } else {
@@ -224,7 +248,21 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
         "listen address)");
   }
   if (port_flag) listen = absl::StrCat("0.0.0.0:", *port_flag);
-  if (!absl::GetFlag(FLAGS_address).empty()) listen = absl::GetFlag(FLAGS_address);
+  if (const std::string address = absl::GetFlag(FLAGS_address); !address.empty()) {
+    PSFLOW_RETURN_IF_ERROR(psflow::CheckListenAddress("address", address));
+    listen = address;
+  }
+  // Flags win over the cluster description, as the design says, but the
+  // workers dial the address it lists.
+  if (!cluster_address.empty() && (port_flag || !absl::GetFlag(FLAGS_address).empty()) &&
+      ListenPortOrPath(listen) != ListenPortOrPath(cluster_address)) {
+    std::fprintf(stderr,
+                 "ps_server: warning: listening on %s by %s, not where %s lists shard %d (%s), "
+                 "which is where workers reading it will connect\n",
+                 listen.c_str(), port_flag ? "--port" : "--address",
+                 absl::GetFlag(FLAGS_ps_hosts).empty() ? "TF_CONFIG" : "--ps_hosts", shard_index,
+                 cluster_address.c_str());
+  }
   options.store.shard_index = shard_index;
   options.store.num_shards = num_shards;
   options.address = listen;

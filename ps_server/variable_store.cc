@@ -349,9 +349,17 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
     return absl::InvalidArgumentError(absl::StrCat("shard index ", options.shard_index,
                                                    " is outside 0..", options.num_shards - 1));
   }
-  if (options.max_chunk_bytes < 4) {
-    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes is ", options.max_chunk_bytes,
-                                                   "; expected at least 4"));
+  if (options.max_chunk_bytes < 4 || options.max_chunk_bytes > kMaxChunkBytesLimit) {
+    // gRPC's message limits are 32-bit: the receive limit is a chunk plus
+    // 1 MiB for names and framing.
+    return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes (--max_chunk_bytes) is ",
+                                                   options.max_chunk_bytes, "; expected 4 to ",
+                                                   kMaxChunkBytesLimit, " (1 GiB)"));
+  }
+  if (options.max_variable_bytes < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_variable_bytes (--max_variable_bytes) is ", options.max_variable_bytes,
+        "; expected -1 (no limit), 0 (the machine's or the cgroup's memory) or a byte count"));
   }
   if (options.request_id_retention < absl::ZeroDuration()) {
     return absl::InvalidArgumentError(

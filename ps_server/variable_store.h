@@ -37,13 +37,17 @@ namespace psflow::server {
 
 // The least VariableStoreOptions::request_ledger_bytes.
 inline constexpr int64_t kMinRequestLedgerBytes = 64 << 10;
+// The most VariableStoreOptions::max_chunk_bytes: gRPC's message limits are
+// 32-bit, and the server's takes a chunk plus names and framing.
+inline constexpr int64_t kMaxChunkBytesLimit = int64_t{1} << 30;
 
 struct VariableStoreOptions {
   int shard_index = 0;
   int num_shards = 1;
   OptimizerOptions optimizer;             // Adam with Keras defaults
   bool allow_non_finite_gradients = false;  // NaN/Inf gradients are rejected by default
-  // Largest segment (bytes of float data) accepted in one message.
+  // Largest segment (bytes of float data) accepted in one message: 4 to
+  // kMaxChunkBytesLimit.
   int64_t max_chunk_bytes = 4 << 20;
   // How long a push request id is remembered for exactly-once retries (at
   // least that long, counted from its first call, unless the byte bound

@@ -154,6 +154,21 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--ps_hosts=127.0.0.1:1,127.0.0.1:2"}, "--shard_index was not given"},
       {{ps, "--port=0", "--num_shards=2"}, "--num_shards=2 but --shard_index was not given"},
       {{ps, "--port=0", "--address=127.0.0.1:0"}, "--port and --address were both given"},
+      // "false" used to be dropped, leaving --nesterov on.
+      {{ps, "--port=0", "--optimizer=sgd", "--momentum=0.9", "--nesterov", "false"},
+       "ps_server: unexpected argument 'false'"},
+      // Used to listen on port 99999 % 65536, and on a nameless socket.
+      {{ps, "--address=127.0.0.1:99999"}, "--address=127.0.0.1:99999 has port \"99999\", outside"},
+      {{ps, "--address=unix:"}, "--address=unix: has an empty unix socket path"},
+      {{ps, "--port=0", "--threads=-5"}, "--threads=-5; expected 0 (no limit) or more"},
+      // Used to abort in std::thread.
+      {{ps, "--port=0", "--apply_threads=100000"}, "--apply_threads=100000; expected -1"},
+      {{ps, "--port=0", "--apply_threads=-5"}, "--apply_threads=-5; expected -1"},
+      {{ps, "--port=0", "--max_variable_bytes=-2"},
+       "max_variable_bytes (--max_variable_bytes) is -2; expected -1"},
+      // Its sum with gRPC's framing allowance used to wrap around.
+      {{ps, "--port=0", "--max_chunk_bytes=9223372036854775807"},
+       "(--max_chunk_bytes) is 9223372036854775807; expected 4 to 1073741824"},
   };
   for (const auto& [argv, want] : cases) {
     const auto [code, out] = RunToEnd(argv);
@@ -182,6 +197,8 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
        "parameters, which need about"},
       {{worker, hosts[0], hosts[1], "--summary_json=/nonexistent/dir/x.json"},
        "--summary_json=/nonexistent/dir/x.json cannot be written"},
+      {{worker, hosts[0], hosts[1], "--fused_push_pull", "false"},
+       "worker: unexpected argument 'false'"},
   };
   for (const auto& [argv, want] : worker_cases) {
     const auto [code, out] = RunToEnd(argv);
@@ -206,6 +223,44 @@ TEST_F(MultiProcessTest, PortInUseIsRefused) {
   EXPECT_TRUE(IsRunning(first));
   ::kill(first, SIGTERM);
   EXPECT_EQ(Reap(first, std::chrono::seconds(20)), 0) << ReadFile(log);
+}
+
+// A second shard given the unix socket of a running one fails, naming it:
+// gRPC removed the socket file and listened anew, and the first shard went
+// on running where nothing could reach it.
+TEST_F(MultiProcessTest, UnixSocketInUseIsRefused) {
+  const std::string address = "unix:" + dir_ + "/ps.sock";
+  const std::string log = dir_ + "/ps.log";
+  const pid_t first = Start({PSFLOW_PS_SERVER_BIN, "--address=" + address}, "", log);
+  ASSERT_GT(first, 0);
+  ASSERT_TRUE(WaitForText(log, "listening on", first, std::chrono::seconds(20))) << ReadFile(log);
+  const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--address=" + address});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("could not listen on " + address +
+                                        ": another process listens there"));
+  EXPECT_TRUE(IsRunning(first));
+  ::kill(first, SIGTERM);
+  EXPECT_EQ(Reap(first, std::chrono::seconds(20)), 0) << ReadFile(log);
+}
+
+// --port wins over TF_CONFIG's address, as flags do, but the shard warns
+// that the workers, which read TF_CONFIG, will dial the address it lists.
+TEST_F(MultiProcessTest, PortFlagAwayFromTfConfigsAddressIsWarnedAbout) {
+  LocalCluster cluster(1, 0);
+  const std::string tf_config = cluster.TfConfig("ps", 0);
+  for (bool away : {false, true}) {
+    const std::string log = dir_ + (away ? "/away.log" : "/same.log");
+    const std::string port = away ? "0" : cluster.ps[0].substr(cluster.ps[0].rfind(':') + 1);
+    const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--port=" + port}, tf_config, log);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+    ::kill(pid, SIGTERM);
+    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+    EXPECT_EQ(absl::StrContains(ReadFile(log), absl::StrCat("not where TF_CONFIG lists shard 0 (",
+                                                            cluster.ps[0], ")")),
+              away)
+        << ReadFile(log);
+  }
 }
 
 // The start line says when the shard applies NaN/Inf gradients, so that an
