@@ -1074,7 +1074,10 @@ std::string PsServer::client_address() const {
 void PsServer::Shutdown(absl::Duration grace) {
   if (server_ == nullptr || shut_down_.exchange(true)) return;
   if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoSeconds(grace));
+  // In nanoseconds: whole seconds made a grace under 1 s none.
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                        absl::ToChronoNanoseconds(grace)));
   server_->Wait();
 }
 

@@ -443,7 +443,9 @@ absl::Status VariableStore::CheckSegment(const Part& part, int64_t offset, const
   if (count * 4 > options_.max_chunk_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "segment of '", part.def.variable, "' carries ", count * 4,
-        " bytes; this server accepts at most ", options_.max_chunk_bytes, " per segment"));
+        " bytes; this server accepts at most ", options_.max_chunk_bytes,
+        " per segment (ps_server --max_chunk_bytes): send smaller segments (psflow's worker: "
+        "--max_chunk_bytes no larger than the shards')"));
   }
   if (offset < 0 || count < 0 || count > part.num_elements - offset) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -60,7 +60,9 @@ ABSL_FLAG(bool, fused_push_pull, false,
           "Push the gradient and pull the new values in one PushPull call per ps shard, both "
           "directions at once (about half the communication time on a network link; the "
           "values read are a little older). Default: a Push, then a Pull.");
-ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20, "Tensor data per stream message.");
+ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20,
+          "Tensor data per stream message; no larger than the ps shards' --max_chunk_bytes "
+          "(4 MiB by default), which refuse larger segments.");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments of the connections to the ps shards, "
           "name=value[,name=value...] (for tuning experiments; grpc.keepalive_time_ms and "

@@ -860,7 +860,11 @@ TEST_F(RawPushTest, OversizedChunksAreRefused) {
   Tensors init = Make(big, 0);
   absl::Status status = client->Register(init.cptrs()).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_THAT(status.message(), HasSubstr("at most 65536"));
+  // It names the flags to set, on both ends, for a worker whose chunks are
+  // larger than the shard's.
+  EXPECT_THAT(status.message(),
+              HasSubstr("at most 65536 per segment (ps_server --max_chunk_bytes): send smaller "
+                        "segments (psflow's worker: --max_chunk_bytes"));
   // Far beyond gRPC's receive limit (chunk + 1 MiB): refused by gRPC itself.
   PushRequest m;
   AddSegment(&m, "w", 0, std::vector<float>(600 * 1024, 1.0f));
