@@ -27,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
+#include "tests/cluster/loopback_server.h"
 #include "worker/grpc_ps_client.h"
 
 namespace psflow {
@@ -1499,14 +1500,11 @@ TEST_F(PsClusterTest, ClientKeepsItsOwnRetentionWhereAShardReportsNone) {
     status.add_parts();  // the model's one part: the variables are there
     if (reported) status.set_request_id_retention_ms(0);
     StatusOnlyShard shard(status);
-    grpc::ServerBuilder builder;
-    int port = 0;
-    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-    builder.RegisterService(&shard);
-    std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+    std::string address;
+    std::unique_ptr<grpc::Server> server = test_support::ServeOnLoopback(&shard, &address);
     ASSERT_NE(server, nullptr);
     GrpcPsClientOptions options;
-    options.ps_addresses = {absl::StrCat("127.0.0.1:", port)};
+    options.ps_addresses = {address};
     options.retry.max_attempts = 3;
     options.retry.initial_backoff = absl::Milliseconds(1);
     options.rpc_timeout = absl::Seconds(10);

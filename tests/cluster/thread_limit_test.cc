@@ -22,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
+#include "tests/cluster/loopback_server.h"
 #include "worker/grpc_ps_client.h"
 
 namespace {
@@ -183,14 +184,11 @@ class DeadlineRecordingShard final : public ParameterServer::Service {
 TEST(ThreadLimitDeadlineTest, StreamsRunOneAfterAnotherShareTheAttemptsDeadline) {
   const absl::Duration delay = absl::Seconds(1);
   DeadlineRecordingShard shard(delay);
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&shard);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::string address;
+  std::unique_ptr<grpc::Server> server = test_support::ServeOnLoopback(&shard, &address);
   ASSERT_NE(server, nullptr);
   GrpcPsClientOptions options;
-  options.ps_addresses = {absl::StrCat("127.0.0.1:", port)};
+  options.ps_addresses = {address};
   options.streams_per_shard = 2;
   options.max_chunk_bytes = 64;  // 4 messages: 2 per stream
   options.rpc_timeout = absl::Seconds(30);
