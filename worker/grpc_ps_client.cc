@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
@@ -291,7 +292,8 @@ class GrpcPsClient final : public PsClient {
     absl::Status previous;  // what the attempt before this one found missing
     while (true) {
       absl::Status missing = absl::OkStatus();
-      auto statuses = GetStatusOnce(deadline);
+      // At least one check, with a second to answer, however short the wait.
+      auto statuses = GetStatusOnce(std::max(deadline, absl::Now() + absl::Seconds(1)));
       if (!statuses.ok()) {
         missing = statuses.status();
       } else {
@@ -634,6 +636,20 @@ class GrpcPsClient final : public PsClient {
     return id;
   }
 
+  // gRPC refuses a message over a shard's receive limit (its
+  // --max_chunk_bytes and 1 MiB for framing) with an error that names no
+  // setting; this adds the two that must agree.
+  absl::Status NameChunkLimit(absl::Status status) const {
+    if (!absl::IsResourceExhausted(status) ||
+        !absl::StrContains(status.message(), "larger than max")) {
+      return status;
+    }
+    return absl::ResourceExhaustedError(absl::StrCat(
+        status.message(), "; this client sends up to ", options_.max_chunk_bytes,
+        " bytes of tensor data per message (worker --max_chunk_bytes), which must be no more "
+        "than the shard's ps_server --max_chunk_bytes"));
+  }
+
   // rpc_timeout from now, or `cap` if sooner.
   void SetDeadline(grpc::ClientContext* context, absl::Time cap = absl::InfiniteFuture()) const {
     context->set_deadline(absl::ToChronoTime(std::min(absl::Now() + options_.rpc_timeout, cap)));
@@ -676,7 +692,7 @@ class GrpcPsClient final : public PsClient {
       msg.Clear();
     }
     writer->WritesDone();
-    return FromGrpcStatus(writer->Finish(), shard.name);
+    return NameChunkLimit(FromGrpcStatus(writer->Finish(), shard.name));
   }
 
   // Writes messages [begin, end) of shard s's push of `grads` as
@@ -791,7 +807,7 @@ class GrpcPsClient final : public PsClient {
         grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_method, &context, &response));
     WritePush(s, begin, end, grads, call, refs, writer.get(), [&] { return writer->WritesDone(); });
-    return FromGrpcStatus(writer->Finish(), shard.name);
+    return NameChunkLimit(FromGrpcStatus(writer->Finish(), shard.name));
   }
 
   // Returns `status` once gRPC holds none of the gradient slices counted by
@@ -871,7 +887,7 @@ class GrpcPsClient final : public PsClient {
     writer.join();
     const grpc::Status status = stream->Finish();
     PSFLOW_RETURN_IF_ERROR(bad);
-    return FromGrpcStatus(status, shard.name);
+    return NameChunkLimit(FromGrpcStatus(status, shard.name));
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -52,7 +53,8 @@ ABSL_FLAG(int, batch_size, 64, "Examples per step and worker.");
 ABSL_FLAG(int, epochs, 3, "Passes over this worker's shard of the training set.");
 ABSL_FLAG(int64_t, train_steps, 0, "Stop after this many steps of this worker (0: no cap).");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | reference (auto: cuda if a GPU is visible).");
-ABSL_FLAG(int, threads, 0, "CPU threads for compute (0: all cores / local workers, at least 1).");
+ABSL_FLAG(int, threads, 0,
+          "CPU threads for compute (0: all cores / local workers, at least 1; at most 256).");
 ABSL_FLAG(double, gpu_memory_limit_mb, 0, "CUDA: most device memory the worker may take (0: no cap).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial values and the shuffling (same on every worker).");
 ABSL_FLAG(bool, overlap, true, "Overlap push/pull of one step with the compute of the next.");
@@ -78,11 +80,16 @@ ABSL_FLAG(double, request_id_retention_s, 900,
           "--request_id_retention_s): a failed push is retried only while a retry starts within "
           "this less --rpc_timeout_s of the push, so that none is applied twice. Where a shard "
           "reports a shorter retention (GetStatus), the worker keeps to that.");
-ABSL_FLAG(int, wait_for_variables_s, 300, "How long a non-chief worker waits for the chief to "
-          "register the variables.");
+ABSL_FLAG(int, wait_for_variables_s, 300,
+          "How long a non-chief worker waits for the chief to "
+          "register the variables (0: check once).");
 ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end.");
 
 namespace {
+
+constexpr int kMaxThreads = 256;
+// The most a ps shard accepts per message (ps_server --max_chunk_bytes).
+constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
 int Fail(const absl::Status& status) {
   const std::string line = absl::StrCat("worker: ", status.ToString(), "\n");
@@ -136,18 +143,41 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--train_steps=", absl::GetFlag(FLAGS_train_steps), "; expected 0 (no cap) or more")));
   }
-  if (absl::GetFlag(FLAGS_threads) < 0) {
+  if (absl::GetFlag(FLAGS_threads) < 0 || absl::GetFlag(FLAGS_threads) > kMaxThreads) {
+    // Far more threads than cores crashed in OpenMP (100,000) or failed in
+    // oneDNN with a message naming neither.
     return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (all cores) or more")));
+        "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (all cores) to ", kMaxThreads)));
+  }
+  if (const double mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb); !(mb >= 0)) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--gpu_memory_limit_mb=", mb, "; expected 0 (no cap) or more")));
+  }
+  if (absl::GetFlag(FLAGS_wait_for_variables_s) < 0) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--wait_for_variables_s=", absl::GetFlag(FLAGS_wait_for_variables_s),
+                     "; expected 0 (check once) or more seconds")));
+  }
+  if (const int64_t chunk = absl::GetFlag(FLAGS_max_chunk_bytes);
+      chunk < 4 || chunk > kMaxChunkBytes) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--max_chunk_bytes=", chunk, "; expected 4 to ", kMaxChunkBytes,
+                     " (1 GiB), and no more than the ps "
+                     "shards' --max_chunk_bytes (4 MiB by default)")));
   }
   // The summary is written at the end of training: find out now whether it
-  // can be, not after the run (the file is created empty, then rewritten).
+  // can be, not after the run. A file the probe created is removed again, so
+  // that a run that fails leaves no empty summary behind.
   if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
+    std::error_code error;
+    const bool existed = std::filesystem::exists(path, error);
     std::ofstream probe(path, std::ios::app);
     if (!probe) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(
           "--summary_json=", path, " cannot be written: ", std::strerror(errno))));
     }
+    probe.close();
+    if (!existed) std::filesystem::remove(path, error);
   }
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
@@ -185,8 +215,14 @@ int main(int argc, char** argv) {
 
   BackendOptions backend_options;
   int threads = absl::GetFlag(FLAGS_threads);
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
   if (threads <= 0) {
-    threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+    threads = std::max(1, cores);
+  } else if (cores > 0 && threads > cores) {
+    std::fprintf(stderr,
+                 "worker: warning: --threads=%d on %d cores; compute slows down when its threads "
+                 "outnumber the cores (64 threads on 2 cores ran 12 times slower)\n",
+                 threads, cores);
   }
   backend_options.threads = threads;
   backend_options.gpu_memory_limit_mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb);
@@ -263,7 +299,8 @@ int main(int argc, char** argv) {
         static_cast<int>(cluster->ps.size()), parameters);
     std::ofstream out(path);
     out << SummaryToJson(*summary, extra);
-    if (!out) {
+    out.close();  // the bytes reach the file here, or fail to (a full disk)
+    if (out.fail()) {
       return Fail(absl::UnavailableError(
           absl::StrCat("--summary_json: cannot write ", path, ": ", std::strerror(errno))));
     }

@@ -209,7 +209,11 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
       std::fflush(options.progress);
     }
   } else {
-    PSFLOW_RETURN_IF_ERROR(client->WaitForVariables(options.wait_for_variables));
+    if (absl::Status waited = client->WaitForVariables(options.wait_for_variables); !waited.ok()) {
+      if (!absl::IsDeadlineExceeded(waited)) return waited;
+      return absl::DeadlineExceededError(
+          absl::StrCat(waited.message(), " (the wait is --wait_for_variables_s)"));
+    }
   }
   PullResult read;
   {

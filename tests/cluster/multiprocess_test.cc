@@ -101,6 +101,35 @@ TEST_F(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
   }
 }
 
+// The summary is checked for writability before the run, but a summary
+// that cannot be written at the end (a full disk) fails the run, and a run
+// that fails leaves no empty file behind (the check used to create it).
+TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
+  const LocalCluster cluster(1, 1);
+  const pid_t ps = Start({PSFLOW_PS_SERVER_BIN}, cluster.TfConfig("ps", 0), dir_ + "/ps.log");
+  ASSERT_GT(ps, 0);
+  const std::string ps_hosts = "--ps_hosts=" + cluster.ps[0];
+  const std::string worker_hosts = "--worker_hosts=" + cluster.workers[0];
+  {
+    const auto [code, out] =
+        RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, "--train_steps=3", "--epochs=1",
+                  "--threads=1", "--device=cpu", "--summary_json=/dev/full"});
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_THAT(out, ::testing::HasSubstr("--summary_json: cannot write /dev/full"));
+  }
+  {
+    const std::string summary = dir_ + "/failed.json";
+    const auto [code, out] = RunToEnd(
+        {PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, "--batch_size=0", "--summary_json=" + summary});
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_THAT(out, ::testing::HasSubstr("--batch_size=0"));
+    struct stat st {};
+    EXPECT_NE(::stat(summary.c_str(), &st), 0) << summary << " was left behind";
+  }
+  ::kill(ps, SIGTERM);
+  EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");
+}
+
 // --help lists the binary's own flags and exits 0 (Debian's Abseil exits
 // 1 after printing it); a bad flag value still exits 1.
 TEST_F(MultiProcessTest, HelpListsTheFlagsAndExitsZero) {
@@ -199,6 +228,14 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
        "--summary_json=/nonexistent/dir/x.json cannot be written"},
       {{worker, hosts[0], hosts[1], "--fused_push_pull", "false"},
        "worker: unexpected argument 'false'"},
+      // Used to crash in OpenMP.
+      {{worker, hosts[0], hosts[1], "--threads=100000"}, "--threads=100000; expected 0"},
+      {{worker, hosts[0], hosts[1], "--gpu_memory_limit_mb=-1"},
+       "--gpu_memory_limit_mb=-1; expected 0"},
+      {{worker, hosts[0], hosts[1], "--wait_for_variables_s=-5"},
+       "--wait_for_variables_s=-5; expected 0"},
+      {{worker, hosts[0], hosts[1], "--max_chunk_bytes=2000000000"},
+       "--max_chunk_bytes=2000000000; expected 4 to"},
   };
   for (const auto& [argv, want] : worker_cases) {
     const auto [code, out] = RunToEnd(argv);

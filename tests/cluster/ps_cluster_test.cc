@@ -212,7 +212,9 @@ TEST_F(PsClusterTest, SeedModelRoundTripIsBitIdentical) {
 
   // A second client (another worker) with default chunks reads the same.
   auto other = Client(vars);
-  ASSERT_TRUE(other->WaitForVariables(absl::Seconds(5)).ok());
+  // A wait of 0 checks once (it used to give the check no time at all).
+  const absl::Status waited = other->WaitForVariables(absl::ZeroDuration());
+  ASSERT_TRUE(waited.ok()) << waited;
   Tensors out2 = Make(vars, -1);
   ASSERT_TRUE(other->Pull(out2.ptrs()).ok());
   for (size_t v = 0; v < vars.size(); ++v) {
@@ -866,7 +868,15 @@ TEST_F(RawPushTest, OversizedChunksAreRefused) {
   EXPECT_THAT(status.message(),
               HasSubstr("at most 65536 per segment (ps_server --max_chunk_bytes): send smaller "
                         "segments (psflow's worker: --max_chunk_bytes"));
-  // Far beyond gRPC's receive limit (chunk + 1 MiB): refused by gRPC itself.
+  // Beyond the shard's receive limit (its chunk + 1 MiB), gRPC refuses the
+  // message itself, naming no setting; the client names the two.
+  const std::vector<VariableSpec> huge_var = {{"huge", {600 * 1024}}};
+  auto huge_client = Client(huge_var, /*chunk=*/4 << 20);
+  status = huge_client->Register(Make(huge_var, 0).cptrs()).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_THAT(status.message(), HasSubstr("(worker --max_chunk_bytes), which must be no more than "
+                                          "the shard's ps_server --max_chunk_bytes"));
+  // The same message sent raw.
   PushRequest m;
   AddSegment(&m, "w", 0, std::vector<float>(600 * 1024, 1.0f));
   grpc::Status huge = RawPush({m}, 5);

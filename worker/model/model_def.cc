@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -125,6 +126,14 @@ absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
   if (spec == "two_conv") return std::string(kTwoConvModelSpec);
   if (!spec.empty() && spec[0] == '@') {
     const std::string path = spec.substr(1);
+    std::error_code error;
+    if (std::filesystem::is_directory(path, error)) {
+      // It opens, and reads as a spec without layers.
+      return absl::InvalidArgumentError(
+          absl::StrCat("model spec file \"", path,
+                       "\" is a directory; expected a file holding a "
+                       "spec such as conv2d:32:3:relu,flatten,dense:10"));
+    }
     std::ifstream file(path);
     if (!file) {
       return absl::NotFoundError(absl::StrCat("model spec file \"", path, "\" cannot be read"));

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -152,6 +153,12 @@ TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
   auto missing = ParseModel("@/nonexistent/psflow/spec.txt", kMnist);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(missing.status().message(), HasSubstr("/nonexistent/psflow/spec.txt"));
+
+  // A directory opens and reads as nothing: it was "a spec without layers".
+  // (StrCat: GCC 12 warns -Wrestrict, wrongly, on "@" + std::string here.)
+  auto directory = ParseModel(absl::StrCat("@", ::testing::TempDir()), kMnist);
+  EXPECT_EQ(directory.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(directory.status().message(), HasSubstr("is a directory"));
 }
 
 struct ErrorCase {
