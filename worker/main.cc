@@ -81,8 +81,9 @@ ABSL_FLAG(double, request_id_retention_s, 900,
           "this less --rpc_timeout_s of the push, so that none is applied twice. Where a shard "
           "reports a shorter retention (GetStatus), the worker keeps to that.");
 ABSL_FLAG(int, wait_for_variables_s, 300,
-          "How long a non-chief worker waits for the chief to "
-          "register the variables (0: check once).");
+          "How long a worker waits for the cluster: the chief for every ps shard to answer "
+          "(they may start after it), the others for the chief to register the variables "
+          "(0: check once).");
 ABSL_FLAG(std::string, summary_json, "", "Write a JSON summary here at the end.");
 
 namespace {

@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "common/float_buffer.h"
 #include "common/process_stats.h"
+#include "common/retry.h"
 #include "common/status_macros.h"
 #include "worker/data/batcher.h"
 #include "worker/progress.h"
@@ -114,6 +115,31 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
   absl::StrAppendFormat(out, "\"%s\": %.6g%s", key, value, comma ? ", " : "");
 }
 
+// The ps shards may start after the chief (a cluster's pods start in any
+// order): as TensorFlow's chief does, it waits for every shard to answer,
+// as long as the other workers wait for it, saying so on `progress`. A
+// client's own retries give up after some 17 s.
+absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
+  const absl::Time deadline = absl::Now() + options.wait_for_variables;
+  while (true) {
+    absl::StatusOr<std::vector<StatusResponse>> statuses = client->GetStatus();
+    if (statuses.ok()) return absl::OkStatus();
+    if (!IsRetryable(statuses.status())) return statuses.status();
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("the ps shards did not all answer within ",
+                       absl::FormatDuration(options.wait_for_variables),
+                       " (--wait_for_variables_s): ", statuses.status().message()));
+    }
+    if (options.progress != nullptr) {
+      std::fprintf(options.progress, "waiting for the ps shards: %s\n",
+                   std::string(statuses.status().message()).c_str());
+      std::fflush(options.progress);
+    }
+    absl::SleepFor(std::min(absl::Seconds(1), deadline - absl::Now()));
+  }
+}
+
 }  // namespace
 
 absl::Status Evaluate(ComputeBackend* backend, absl::Span<const float* const> params,
@@ -192,6 +218,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
       std::array<Buffers, 2>{Buffers(model), Buffers(model)})};
   std::array<Buffers, 2>& grads = *keep_grads.buffers;
   if (options.is_chief) {
+    PSFLOW_RETURN_IF_ERROR(WaitForShards(client, options));
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
     std::vector<const float*> init_ptrs;
     for (const auto& v : init) init_ptrs.push_back(v.data());

@@ -44,7 +44,9 @@ struct TrainerOptions {
   uint64_t seed = 0;        // initial values and shuffling; the same on every worker
   bool overlap = true;      // overlap push/pull with compute (see above)
   bool fused_push_pull = false;  // PushPull instead of Push then Pull (see above)
-  absl::Duration wait_for_variables = absl::Minutes(5);  // non-chief: wait for the chief
+  // How long a worker waits for the cluster: the chief for every ps shard
+  // to answer, the others for the chief to register the variables.
+  absl::Duration wait_for_variables = absl::Minutes(5);
   FILE* progress = stdout;  // Keras-style progress; nullptr for none
   bool progress_tty = false;  // rewrite one line with '\r' (a terminal)
 };

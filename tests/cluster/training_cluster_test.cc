@@ -2,6 +2,7 @@
 // threads running the real training loop over real gRPC, on a generated
 // data set that a small CNN can learn.
 #include <cmath>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
@@ -296,6 +297,67 @@ class StillHeldClient : public worker::PsClient {
   std::unique_ptr<worker::PsClient> inner_;
   int pushes_ = 0;
 };
+
+// The ps shards may start after the chief, as a cluster's pods do: the
+// chief waits for them as long as --wait_for_variables_s, saying so, where
+// its client alone gives up after its retries (here 2, 10 ms apart; 17 s
+// with the worker's defaults).
+TEST(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto backend = worker::CreateBackend("cpu", {});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
+  // A free port: a shard started there and stopped.
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  std::string address;
+  {
+    auto probe = server::PsServer::Start(ps);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    address = (*probe)->client_address();
+  }
+  ps.address = "127.0.0.1:" + address.substr(address.rfind(':') + 1);
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {address};
+  client_options.retry.max_attempts = 2;
+  client_options.retry.initial_backoff = absl::Milliseconds(10);
+  auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  // No shard within the wait: an error that names the flag.
+  worker::TrainerOptions options = SixSteps();
+  options.wait_for_variables = absl::Milliseconds(300);
+  auto failed = worker::Train(*model, backend->get(), client->get(), train, test, options);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDeadlineExceeded) << failed.status();
+  EXPECT_THAT(failed.status().message(), ::testing::HasSubstr("(--wait_for_variables_s)"));
+
+  // The shard comes up 1.5 s after the chief started.
+  std::unique_ptr<server::PsServer> server;
+  absl::Status started;
+  std::thread late([&] {
+    absl::SleepFor(absl::Milliseconds(1500));
+    auto s = server::PsServer::Start(ps);
+    started = s.status();
+    if (s.ok()) server = std::move(*s);
+  });
+  FILE* progress = std::tmpfile();
+  ASSERT_NE(progress, nullptr);
+  options.progress = progress;
+  options.wait_for_variables = absl::Seconds(60);
+  auto summary = worker::Train(*model, backend->get(), client->get(), train, test, options);
+  late.join();
+  ASSERT_TRUE(started.ok()) << started;
+  ASSERT_TRUE(summary.ok()) << summary.status();
+  EXPECT_EQ(summary->steps, 6);
+  std::rewind(progress);
+  std::string said;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, progress)) > 0;) said.append(buffer, n);
+  std::fclose(progress);
+  EXPECT_THAT(said, ::testing::HasSubstr("waiting for the ps shards: "));
+}
 
 // The trainer keeps such a gradient: reading it after Train returned is no
 // use after free (AddressSanitizer, in CI's second pass, would say so).
