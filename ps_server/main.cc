@@ -5,6 +5,7 @@
 //
 // Flags win over TF_CONFIG. SIGTERM or SIGINT shut the server down
 // gracefully (calls in flight may finish).
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -14,9 +15,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/cluster_spec.h"
@@ -103,6 +106,38 @@ namespace {
 using psflow::server::PsServer;
 using psflow::server::PsServerOptions;
 
+// Flags that only some optimizers or schedules read change nothing with
+// the others: the shard says so on stderr instead of dropping them
+// silently (--momentum=0.9 with the default adam was a plain Adam).
+void WarnAboutUnreadFlags(const std::string& optimizer, const std::string& schedule) {
+  struct Reader {
+    const char* flag;
+    const char* chooser;  // the flag that picks who reads it
+    std::vector<std::string> readers;
+  };
+  const Reader readers[] = {
+      {"beta_1", "optimizer", {"adam"}},
+      {"beta_2", "optimizer", {"adam"}},
+      {"epsilon", "optimizer", {"adam", "adagrad"}},
+      {"momentum", "optimizer", {"sgd"}},
+      {"nesterov", "optimizer", {"sgd"}},
+      {"initial_accumulator_value", "optimizer", {"adagrad"}},
+      {"decay_steps", "learning_rate_schedule", {"cosine", "exponential"}},
+      {"cosine_alpha", "learning_rate_schedule", {"cosine"}},
+      {"decay_rate", "learning_rate_schedule", {"exponential"}},
+      {"staircase", "learning_rate_schedule", {"exponential"}},
+  };
+  for (const Reader& r : readers) {
+    if (!absl::flags_internal::WasPresentOnCommandLine(r.flag)) continue;
+    const bool optimizer_flag = std::string(r.chooser) == "optimizer";
+    const std::string& chosen = optimizer_flag ? optimizer : schedule;
+    if (std::find(r.readers.begin(), r.readers.end(), chosen) != r.readers.end()) continue;
+    std::fprintf(stderr,
+                 "ps_server: warning: --%s is ignored: only --%s=%s reads it, and it is %s\n",
+                 r.flag, r.chooser, absl::StrJoin(r.readers, "|").c_str(), chosen.c_str());
+  }
+}
+
 // The port of "host:port" or "[v6]:port", or the whole "unix:path".
 std::string ListenPortOrPath(const std::string& address) {
   if (absl::StartsWith(address, "unix:")) return address;
@@ -139,6 +174,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.momentum = absl::GetFlag(FLAGS_momentum);
   opt.nesterov = absl::GetFlag(FLAGS_nesterov);
   opt.initial_accumulator_value = absl::GetFlag(FLAGS_initial_accumulator_value);
+  WarnAboutUnreadFlags(absl::GetFlag(FLAGS_optimizer), absl::GetFlag(FLAGS_learning_rate_schedule));
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);
   options.store.max_variable_bytes = absl::GetFlag(FLAGS_max_variable_bytes);

@@ -262,6 +262,27 @@ TEST_F(MultiProcessTest, PortInUseIsRefused) {
   EXPECT_EQ(Reap(first, std::chrono::seconds(20)), 0) << ReadFile(log);
 }
 
+// A hyper-parameter that the chosen optimizer or schedule does not read is
+// named in a warning (it changed nothing, silently).
+TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
+  const std::string log = dir_ + "/ps.log";
+  const pid_t pid =
+      Start({PSFLOW_PS_SERVER_BIN, "--port=0", "--momentum=0.9", "--beta_1=0.8", "--decay_rate=0.5",
+             "--learning_rate_schedule=cosine", "--decay_steps=9"},
+            "", log);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+  const std::string text = ReadFile(log);
+  EXPECT_THAT(text, ::testing::HasSubstr(
+                        "--momentum is ignored: only --optimizer=sgd reads it, and it is adam"));
+  EXPECT_THAT(text, ::testing::HasSubstr("--decay_rate is ignored: only "
+                                         "--learning_rate_schedule=exponential reads it, and it "
+                                         "is cosine"));
+  EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("--beta_1 is ignored")));
+}
+
 // A second shard given the unix socket of a running one fails, naming it:
 // gRPC removed the socket file and listened anew, and the first shard went
 // on running where nothing could reach it.
