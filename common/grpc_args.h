@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 
 namespace grpc {
@@ -30,6 +31,13 @@ GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides);
 // when a ping goes `timeout` unanswered (gRPC also makes `timeout` the
 // sockets' TCP_USER_TIMEOUT).
 GrpcArgs KeepaliveGrpcArgs(absl::Duration time, absl::Duration timeout);
+
+// OK, or INVALID_ARGUMENT naming --`flag` and the argument, for a value
+// gRPC would drop without a word: an integer beyond 32 bits (it would pass
+// as a string), or a value that is not an integer for an argument gRPC
+// reads as one (a name starting "grpc.keepalive_" or "grpc.http2.", or
+// ending "_ms", "_bytes", "_size", "_length" or "_count").
+absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args);
 
 // Adds `args` to a client channel's arguments.
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out);

@@ -205,6 +205,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return grpc_args.status();
+  PSFLOW_RETURN_IF_ERROR(psflow::CheckGrpcArgs("grpc_arg", *grpc_args));
   options.grpc_args = std::move(*grpc_args);
 
   // Identity: TF_CONFIG and --ps_hosts, then the explicit flags.

@@ -247,6 +247,7 @@ int main(int argc, char** argv) {
   }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return Fail(grpc_args.status());
+  if (absl::Status s = psflow::CheckGrpcArgs("grpc_arg", *grpc_args); !s.ok()) return Fail(s);
   client_options.grpc_args = std::move(*grpc_args);
   client_options.rpc_timeout = absl::Seconds(absl::GetFlag(FLAGS_rpc_timeout_s));
   const double retention_s = absl::GetFlag(FLAGS_request_id_retention_s);

@@ -193,6 +193,8 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       // Used to abort in std::thread.
       {{ps, "--port=0", "--apply_threads=100000"}, "--apply_threads=100000; expected -1"},
       {{ps, "--port=0", "--apply_threads=-5"}, "--apply_threads=-5; expected -1"},
+      {{ps, "--port=0", "--grpc_arg=grpc.keepalive_time_ms=99999999999"},
+       "is beyond gRPC's 32-bit integers"},
       {{ps, "--port=0", "--max_variable_bytes=-2"},
        "max_variable_bytes (--max_variable_bytes) is -2; expected -1"},
       // Its sum with gRPC's framing allowance used to wrap around.
@@ -228,6 +230,9 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
        "--summary_json=/nonexistent/dir/x.json cannot be written"},
       {{worker, hosts[0], hosts[1], "--fused_push_pull", "false"},
        "worker: unexpected argument 'false'"},
+      // gRPC dropped it, and keepalive with it.
+      {{worker, hosts[0], hosts[1], "--grpc_arg=grpc.keepalive_time_ms=abc"},
+       "grpc.keepalive_time_ms=abc is not an integer"},
       // Used to crash in OpenMP.
       {{worker, hosts[0], hosts[1], "--threads=100000"}, "--threads=100000; expected 0"},
       {{worker, hosts[0], hosts[1], "--gpu_memory_limit_mb=-1"},

@@ -23,6 +23,24 @@ TEST(OverrideGrpcArgsTest, GivenValuesReplaceDefaultsOfTheSameName) {
 
 // Milliseconds, as gRPC reads them, and pings allowed while calls send no
 // data.
+// Values gRPC would drop without a word are refused, naming the flag.
+TEST(CheckGrpcArgsTest, RefusesValuesGrpcWouldDrop) {
+  EXPECT_TRUE(CheckGrpcArgs("grpc_arg", {{"grpc.keepalive_time_ms", "1000"},
+                                         {"grpc.primary_user_agent", "psflow-test"},
+                                         {"grpc.http2.max_frame_size", "-1"}})
+                  .ok());
+  const absl::Status big = CheckGrpcArgs("grpc_arg", {{"grpc.keepalive_time_ms", "99999999999"}});
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(big.message(), ::testing::HasSubstr("--grpc_arg: grpc.keepalive_time_ms=99999999999 "
+                                                  "is beyond gRPC's 32-bit integers"));
+  for (const char* name : {"grpc.keepalive_time_ms", "grpc.http2.lookahead_bytes",
+                           "grpc.max_receive_message_length", "grpc.server_handshake_timeout_ms"}) {
+    const absl::Status text = CheckGrpcArgs("grpc_arg", {{name, "abc"}});
+    EXPECT_EQ(text.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(text.message(), ::testing::HasSubstr("=abc is not an integer")) << name;
+  }
+}
+
 TEST(KeepaliveGrpcArgsTest, GivesTheDurationsInMilliseconds) {
   EXPECT_THAT(KeepaliveGrpcArgs(absl::Seconds(30), absl::Milliseconds(2500)),
               ElementsAre(Pair("grpc.keepalive_time_ms", "30000"),
