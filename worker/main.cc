@@ -204,12 +204,13 @@ int main(int argc, char** argv) {
     // backend its own copies of the weights: a model beyond the machine's
     // memory is refused here instead of ending in std::bad_alloc.
     const double need = static_cast<double>(parameters) * 4 * 6;
-    const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+    // The machine's RAM, or the container's (pod's) cgroup limit where lower.
+    const double have = static_cast<double>(psflow::MemoryLimitBytes());
     if (have > 0 && need > have) {
       return Fail(absl::ResourceExhaustedError(absl::StrFormat(
           "--model=%s has %d parameters, which need about %.1f GiB here (6 float32 copies: "
-          "parameters and gradients, twice each, and the backend's), but the machine has "
-          "%.1f GiB",
+          "parameters and gradients, twice each, and the backend's), but this process may use "
+          "%.1f GiB (the machine's memory, or its cgroup's limit where lower)",
           absl::GetFlag(FLAGS_model), parameters, need / (1 << 30), have / (1 << 30))));
     }
   }
