@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -359,6 +360,15 @@ int main(int argc, char** argv) {
   std::printf("ps_server: shard %d received %s, shutting down\n", options->store.shard_index,
               sig == SIGTERM ? "SIGTERM" : "SIGINT");
   std::fflush(stdout);
+  // A second signal ends the process at once, as an operator pressing
+  // Ctrl-C twice expects, rather than after the calls' grace.
+  std::thread([&signals, shard = options->store.shard_index] {
+    int again = 0;
+    sigwait(&signals, &again);
+    std::fprintf(stderr, "ps_server: shard %d received a second %s, exiting without waiting\n",
+                 shard, again == SIGTERM ? "SIGTERM" : "SIGINT");
+    std::_Exit(1);
+  }).detach();
   (*server)->Shutdown(absl::Seconds(5));
   const auto stats = (*server)->store().stats();
   std::printf(

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <utility>
@@ -14,11 +15,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "psflow.grpc.pb.h"
 #include "tests/cluster/subprocess.h"
 
 namespace {
 
+using psflow::ParameterServer;
+using psflow::PushResponse;
+using psflow::StatusRequest;
+using psflow::StatusResponse;
 using psflow::test_support::IsRunning;
 using psflow::test_support::JsonNumber;
 using psflow::test_support::LocalCluster;
@@ -286,6 +293,40 @@ TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
                                          "--learning_rate_schedule=exponential reads it, and it "
                                          "is cosine"));
   EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("--beta_1 is ignored")));
+}
+
+// SIGTERM lets the calls in progress finish (5 s of grace); a second one
+// ends the shard at once, as a second Ctrl-C is meant to (it was ignored).
+TEST_F(MultiProcessTest, SecondSignalEndsTheShutdownAtOnce) {
+  const std::string log = dir_ + "/ps.log";
+  const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"}, "", log);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+  const std::string text = ReadFile(log);
+  const size_t at = text.find("listening on 127.0.0.1:") + std::strlen("listening on ");
+  const std::string address = text.substr(at, text.find(',', at) - at);
+  // A push whose stream stays open: the shutdown waits for it.
+  auto stub =
+      ParameterServer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext push_context;
+  PushResponse response;
+  auto push = stub->Push(&push_context, &response);
+  bool serving = false;
+  for (int i = 0; i < 2000 && !serving; ++i) {
+    grpc::ClientContext context;
+    StatusResponse status;
+    serving =
+        stub->GetStatus(&context, StatusRequest(), &status).ok() && status.calls_serving() == 1;
+    if (!serving) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(serving) << "the push never reached the shard";
+  ::kill(pid, SIGTERM);
+  ASSERT_TRUE(WaitForText(log, "shutting down", pid, std::chrono::seconds(20))) << ReadFile(log);
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 1) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("received a second SIGTERM, exiting without "
+                                                  "waiting"));
+  push_context.TryCancel();
 }
 
 // A second shard given the unix socket of a running one fails, naming it:
