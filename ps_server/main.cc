@@ -1,16 +1,19 @@
 // ps_server: one shard of psflow's parameter servers.
 //
 //   ps_server --port=2222 --shard_index=0 --num_shards=2
-//   TF_CONFIG='{"cluster":{"ps":["h0:2222","h1:2222"],...},"task":{"type":"ps","index":1}}' ps_server
+//   TF_CONFIG='{"cluster":{"ps":["h0:2222","h1:2222"],...},"task":{"type":"ps","index":1}}'
+//   ps_server
 //
 // Flags win over TF_CONFIG. SIGTERM or SIGINT shut the server down
-// gracefully (calls in flight may finish).
+// gracefully (calls in flight may finish, for up to 5 s); a second one
+// ends it at once.
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -362,13 +365,18 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   // A second signal ends the process at once, as an operator pressing
   // Ctrl-C twice expects, rather than after the calls' grace.
-  std::thread([&signals, shard = options->store.shard_index] {
-    int again = 0;
-    sigwait(&signals, &again);
-    std::fprintf(stderr, "ps_server: shard %d received a second %s, exiting without waiting\n",
-                 shard, again == SIGTERM ? "SIGTERM" : "SIGINT");
-    std::_Exit(1);
-  }).detach();
+  // (The set by value: main may return while the thread starts.)
+  try {
+    std::thread([signals, shard = options->store.shard_index] {
+      int again = 0;
+      sigwait(&signals, &again);
+      std::fprintf(stderr, "ps_server: shard %d received a second %s, exiting without waiting\n",
+                   shard, again == SIGTERM ? "SIGTERM" : "SIGINT");
+      std::_Exit(1);
+    }).detach();
+  } catch (const std::system_error&) {
+    // No thread to be had: the shutdown keeps its grace.
+  }
   (*server)->Shutdown(absl::Seconds(5));
   const auto stats = (*server)->store().stats();
   std::printf(
