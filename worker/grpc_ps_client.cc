@@ -424,10 +424,13 @@ class GrpcPsClient final : public PsClient {
     return Combine(results);
   }
 
-  absl::StatusOr<std::vector<StatusResponse>> GetStatus() override {
+  using PsClient::GetStatus;
+  absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) override {
+    RetryOptions retry = options_.retry;
+    retry.retry_window = std::max(absl::ZeroDuration(), deadline - absl::Now());
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(options_.retry, [&] { return StatusOnce(s, &out[s]); });
+      return RetryCall(retry, [&] { return StatusOnce(s, &out[s], deadline); });
     }));
     return out;
   }

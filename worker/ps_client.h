@@ -77,8 +77,13 @@ class PsClient {
   virtual absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads,
                                               const PushInfo& info,
                                               absl::Span<float* const> values) = 0;
-  // Each shard's status, in shard order.
-  virtual absl::StatusOr<std::vector<StatusResponse>> GetStatus() = 0;
+  // Each shard's status, in shard order. Retries as every call does, but
+  // starts no attempt after `deadline` and ends each by it (a chief waiting
+  // for its shards stops when its own wait is over).
+  virtual absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) = 0;
+  absl::StatusOr<std::vector<StatusResponse>> GetStatus() {
+    return GetStatus(absl::InfiniteFuture());
+  }
 };
 
 }  // namespace psflow::worker

@@ -122,7 +122,12 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
 absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
   const absl::Time deadline = absl::Now() + options.wait_for_variables;
   while (true) {
-    absl::StatusOr<std::vector<StatusResponse>> statuses = client->GetStatus();
+    // Each check ends by the wait's deadline (with at least a second to be
+    // answered, however short the wait) and within 10 s, so that a line
+    // says what the chief waits for while a shard is slow to answer.
+    const absl::Time now = absl::Now();
+    absl::StatusOr<std::vector<StatusResponse>> statuses = client->GetStatus(
+        std::max(std::min(deadline, now + absl::Seconds(10)), now + absl::Seconds(1)));
     if (statuses.ok()) return absl::OkStatus();
     if (!IsRetryable(statuses.status())) return statuses.status();
     if (absl::Now() >= deadline) {

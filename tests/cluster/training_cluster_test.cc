@@ -1,6 +1,11 @@
 // In-process training: two PS shards on loopback ports and two worker
 // threads running the real training loop over real gRPC, on a generated
 // data set that a small CNN can learn.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -11,6 +16,7 @@
 #include <vector>
 
 #include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -290,7 +296,9 @@ class StillHeldClient : public worker::PsClient {
                                               absl::Span<float* const> values) override {
     return absl::UnimplementedError("not in this test");
   }
-  absl::StatusOr<std::vector<StatusResponse>> GetStatus() override { return inner_->GetStatus(); }
+  absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) override {
+    return inner_->GetStatus(deadline);
+  }
   std::vector<const float*> held;
 
  private:
@@ -357,6 +365,58 @@ TEST(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, progress)) > 0;) said.append(buffer, n);
   std::fclose(progress);
   EXPECT_THAT(said, ::testing::HasSubstr("waiting for the ps shards: "));
+}
+
+// The chief's wait ends when --wait_for_variables_s says, with the
+// client's own retries and deadlines (17 s and 60 s with the worker's
+// defaults, used here): against a port where nothing listens, and against
+// a shard that accepts connections but never answers (one stopped with
+// SIGSTOP, here a socket that listens but never accepts).
+TEST(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto backend = worker::CreateBackend("cpu", {});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
+
+  // A port nothing listens on: a shard started there and stopped.
+  std::string refusing;
+  {
+    auto probe = server::PsServer::Start(server::PsServerOptions{.address = "127.0.0.1:0"});
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    refusing = (*probe)->client_address();
+  }
+  // A listening socket that never accepts: the kernel completes the
+  // connections, and nothing ever answers on them.
+  const int silent_fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(silent_fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(silent_fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(silent_fd, 16), 0);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(::getsockname(silent_fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string silent = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+
+  for (const std::string& address : {refusing, silent}) {
+    SCOPED_TRACE(address == silent ? "a shard that never answers" : "no shard listening");
+    worker::GrpcPsClientOptions client_options;  // the worker's retries and deadlines
+    client_options.ps_addresses = {address};
+    auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    worker::TrainerOptions options = SixSteps();
+    options.wait_for_variables = absl::Seconds(1);
+    const absl::Time start = absl::Now();
+    auto failed = worker::Train(*model, backend->get(), client->get(), train, test, options);
+    const absl::Duration waited = absl::Now() - start;
+    EXPECT_EQ(failed.status().code(), absl::StatusCode::kDeadlineExceeded) << failed.status();
+    EXPECT_THAT(failed.status().message(), ::testing::HasSubstr("(--wait_for_variables_s)"));
+    // A second of wait, and at most one more check of at least a second.
+    EXPECT_LT(waited, absl::Seconds(5)) << "the chief waited " << waited << " for a 1 s wait";
+  }
+  ::close(silent_fd);
 }
 
 // The trainer keeps such a gradient: reading it after Train returned is no
