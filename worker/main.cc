@@ -30,6 +30,7 @@
 #include "common/flags_usage.h"
 #include "common/process_stats.h"
 #include "worker/backend.h"
+#include "worker/data/batcher.h"
 #include "worker/data/dataset.h"
 #include "worker/grpc_ps_client.h"
 #include "worker/model/model_def.h"
@@ -199,20 +200,10 @@ int main(int argc, char** argv) {
   if (!model.ok()) return Fail(model.status());
   int64_t parameters = 0;
   for (const auto& v : model->variables) parameters += v.num_elements();
-  {
-    // The trainer keeps two parameter and two gradient buffers, and a
-    // backend its own copies of the weights: a model beyond the machine's
-    // memory is refused here instead of ending in std::bad_alloc.
-    const double need = static_cast<double>(parameters) * 4 * 6;
-    // The machine's RAM, or the container's (pod's) cgroup limit where lower.
-    const double have = static_cast<double>(psflow::MemoryLimitBytes());
-    if (have > 0 && need > have) {
-      return Fail(absl::ResourceExhaustedError(absl::StrFormat(
-          "--model=%s has %d parameters, which need about %.1f GiB here (6 float32 copies: "
-          "parameters and gradients, twice each, and the backend's), but this process may use "
-          "%.1f GiB (the machine's memory, or its cgroup's limit where lower)",
-          absl::GetFlag(FLAGS_model), parameters, need / (1 << 30), have / (1 << 30))));
-    }
+  const int batch_size = absl::GetFlag(FLAGS_batch_size);
+  if (batch_size < 1) {
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("--batch_size=", batch_size, "; expected at least 1")));
   }
 
   BackendOptions backend_options;
@@ -230,10 +221,34 @@ int main(int argc, char** argv) {
   backend_options.gpu_memory_limit_mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb);
   auto backend = CreateBackend(absl::GetFlag(FLAGS_device), backend_options);
   if (!backend.ok()) return Fail(backend.status());
-  const int batch_size = absl::GetFlag(FLAGS_batch_size);
-  if (batch_size < 1) {
-    return Fail(absl::InvalidArgumentError(
-        absl::StrCat("--batch_size=", batch_size, "; expected at least 1")));
+  {
+    // A model, a batch or an image beyond the machine's memory is refused
+    // here instead of ending in std::bad_alloc. What is counted is the
+    // least the worker holds: the trainer's two parameter and two gradient
+    // buffers and the backend's copy of the weights; a batch's activations
+    // and their gradients (on the CPU; a GPU's are in device memory, which
+    // its backend checks); the batches the data pipeline assembles ahead.
+    const double gib = 1 << 30;
+    const double weights = static_cast<double>(parameters) * 4 * 6;
+    const bool on_host = (*backend)->name() != "cuda";
+    const double activations =
+        on_host ? static_cast<double>(ActivationsPerExample(*model)) * batch_size * 4 * 2 : 0;
+    const double batches = static_cast<double>(data->train.example_size()) * batch_size * 4 *
+                           (BatcherOptions().prefetch + 1);
+    const double need = weights + activations + batches;
+    // The machine's RAM, or the container's (pod's) cgroup limit where lower.
+    const double have = static_cast<double>(psflow::MemoryLimitBytes());
+    if (have > 0 && need > have) {
+      return Fail(absl::ResourceExhaustedError(absl::StrFormat(
+          "--model=%s with --batch_size=%d on %dx%dx%d examples needs at least %.1f GiB here: "
+          "%.1f GiB for its %d parameters (6 float32 copies: parameters and gradients, twice "
+          "each, and the backend's), %.1f GiB for a batch's activations and their gradients "
+          "(%d values per example), %.1f GiB for the input batches assembled ahead; but this "
+          "process may use %.1f GiB (the machine's memory, or its cgroup's limit where lower)",
+          absl::GetFlag(FLAGS_model), batch_size, data->train.height, data->train.width,
+          data->train.channels, need / gib, weights / gib, parameters, activations / gib,
+          ActivationsPerExample(*model), batches / gib, have / gib)));
+    }
   }
   if (absl::Status s = (*backend)->Prepare(*model, batch_size); !s.ok()) return Fail(s);
 

@@ -232,7 +232,14 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       // About 1.2e10 parameters (290 GB of buffers): refused, not bad_alloc.
       {{worker, hosts[0], hosts[1],
         "--model=flatten,dense:2700000,dense:790,dense:2700000,dense:790,dense:2700000,dense:10"},
-       "parameters, which need about"},
+       "parameters (6 float32 copies"},
+      // Activations of 1.5e9 values per example: std::bad_alloc (the
+      // reference backend) or "could not create a memory object" (oneDNN).
+      {{worker, hosts[0], hosts[1], "--device=reference",
+        "--model=conv2d:2000000:1,maxpool:28,flatten,dense:10"},
+       "GiB for a batch's activations and their gradients (1572000794 values per example)"},
+      {{worker, hosts[0], hosts[1], "--batch_size=100000000"},
+       "876.2 GiB for the input batches assembled ahead"},
       {{worker, hosts[0], hosts[1], "--summary_json=/nonexistent/dir/x.json"},
        "--summary_json=/nonexistent/dir/x.json cannot be written"},
       {{worker, hosts[0], hosts[1], "--fused_push_pull", "false"},

@@ -47,6 +47,13 @@ class GzReader {
       return absl::InvalidArgumentError(
           absl::StrCat("file ", path, " is a directory, expected a data file"));
     }
+    // A fifo would block the open until something writes to it.
+    if (!fs::is_regular_file(path, ec)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("file ", path,
+                       " is not a regular file (a fifo, a socket or a device), "
+                       "expected a data file"));
+    }
     errno = 0;
     gzFile file = gzopen(path.c_str(), "rb");
     if (file == nullptr) {
@@ -229,11 +236,13 @@ absl::StatusOr<std::string> FindFile(const std::string& dir, const std::string& 
 absl::Status CheckDirectory(const std::string& dir, const std::string& data_set,
                             const std::string& hint) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    return absl::NotFoundError(absl::StrCat("data directory ", dir, " for data set ", data_set,
-                                            " does not exist", hint));
+  if (fs::is_directory(dir, ec)) return absl::OkStatus();
+  if (fs::exists(dir, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat("data directory ", dir, " for data set ",
+                                                   data_set, " is not a directory", hint));
   }
-  return absl::OkStatus();
+  return absl::NotFoundError(
+      absl::StrCat("data directory ", dir, " for data set ", data_set, " does not exist", hint));
 }
 
 // Both splits hold examples, and of the same shape: the model is built for

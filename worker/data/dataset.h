@@ -15,7 +15,9 @@
 //
 // Errors (every message names the file and the expected vs found value):
 //   NOT_FOUND         a file or the data directory does not exist
-//   INVALID_ARGUMENT  wrong magic number, bad dimensions, image/label count
+//   INVALID_ARGUMENT  a data directory that is a file, a data file that is a
+//                     directory, a fifo or a device, wrong magic number,
+//                     bad dimensions, image/label count
 //                     mismatch, label outside [0, num_classes), CIFAR-10 file
 //                     size not a multiple of 3073 or empty, unknown data set
 //                     name, cifar10 without a directory

@@ -6,11 +6,11 @@
 #include <fstream>
 #include <limits>
 #include <random>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -34,9 +34,23 @@ struct Token {
   std::string text;
 };
 
+// The token as the message shows it: bytes that are not printable ASCII
+// (a byte-order mark, a NUL, a binary file) escaped, so that they show.
+std::string Quoted(absl::string_view text) {
+  std::string out = "\"";
+  for (const char c : text) {
+    if (absl::ascii_isprint(c)) {
+      out += c;
+    } else {
+      absl::StrAppend(&out, "\\x", absl::Hex(static_cast<unsigned char>(c), absl::kZeroPad2));
+    }
+  }
+  return out + "\"";
+}
+
 absl::Status TokenError(const Token& token, absl::string_view what) {
   return absl::InvalidArgumentError(
-      absl::StrCat("model spec token ", token.index, " \"", token.text, "\": ", what));
+      absl::StrCat("model spec token ", token.index, " ", Quoted(token.text), ": ", what));
 }
 
 // Splits a spec into layer tokens. Layers are separated by ',' or newlines;
@@ -66,14 +80,20 @@ constexpr int kMaxWindow = 1 << 15;
 // Parses `text` as an integer in [1, max], else names `what` in the error.
 absl::StatusOr<int> PositiveInt(const Token& token, absl::string_view what,
                                 absl::string_view text, int max = INT32_MAX) {
-  int value = 0;
+  int64_t value = 0;
   if (!absl::SimpleAtoi(text, &value) || value < 1) {
-    return TokenError(token, absl::StrCat(what, " must be a positive integer, got \"", text, "\""));
+    // An integer beyond int64 is still an integer: say how large it may be.
+    const bool digits = !text.empty() && absl::c_all_of(text, absl::ascii_isdigit) &&
+                        text.find_first_not_of('0') != absl::string_view::npos;
+    if (digits) {
+      return TokenError(token, absl::StrCat(what, " must be at most ", max, ", got ", text));
+    }
+    return TokenError(token, absl::StrCat(what, " must be a positive integer, got ", Quoted(text)));
   }
   if (value > max) {
     return TokenError(token, absl::StrCat(what, " must be at most ", max, ", got ", value));
   }
-  return value;
+  return static_cast<int>(value);
 }
 
 // Parses the options after the required fields of a conv2d or maxpool
@@ -102,7 +122,7 @@ absl::Status ParseOptions(const Token& token, const std::vector<std::string>& pa
       if (!stride.ok()) return stride.status();
       layer->stride = *stride;
     } else {
-      return TokenError(token, absl::StrCat("unknown option \"", opt, "\"; ", expected));
+      return TokenError(token, absl::StrCat("unknown option ", Quoted(opt), "; ", expected));
     }
   }
   return absl::OkStatus();
@@ -121,6 +141,10 @@ int SamePadBefore(int in, int out, int kernel, int stride) {
   return total > 0 ? total / 2 : 0;
 }
 
+// A spec file larger than this is no spec (a million-layer spec takes
+// about 13 MB).
+constexpr size_t kMaxSpecFileBytes = 64 << 20;
+
 absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
   if (spec == "seed") return std::string(kSeedModelSpec);
   if (spec == "two_conv") return std::string(kTwoConvModelSpec);
@@ -134,13 +158,26 @@ absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
                        "\" is a directory; expected a file holding a "
                        "spec such as conv2d:32:3:relu,flatten,dense:10"));
     }
+    // A fifo or a device would block the read, or never end it.
+    if (std::filesystem::exists(path, error) && !std::filesystem::is_regular_file(path, error)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model spec file \"", path,
+                       "\" is not a regular file; expected a file holding a "
+                       "spec such as conv2d:32:3:relu,flatten,dense:10"));
+    }
     std::ifstream file(path);
     if (!file) {
       return absl::NotFoundError(absl::StrCat("model spec file \"", path, "\" cannot be read"));
     }
-    std::stringstream text;
-    text << file.rdbuf();
-    return text.str();
+    std::string text(kMaxSpecFileBytes + 1, '\0');
+    file.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(file.gcount()));
+    if (text.size() > kMaxSpecFileBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("model spec file \"", path,
+                                                     "\" is larger than ", kMaxSpecFileBytes,
+                                                     " bytes; expected a model spec"));
+    }
+    return text;
   }
   return spec;
 }
@@ -189,8 +226,8 @@ absl::Status ParseLayer(const Token& token, LayerDef* layer) {
     return ParseOptions(token, parts, 2, /*allow_relu=*/true, /*allow_padding_and_stride=*/false,
                         layer);
   }
-  return TokenError(token, absl::StrCat("unknown layer \"", kind,
-                                        "\"; expected conv2d, maxpool, flatten or dense"));
+  return TokenError(token, absl::StrCat("unknown layer ", Quoted(kind),
+                                        "; expected conv2d, maxpool, flatten or dense"));
 }
 
 // Fills layer->output from layer->input; errors name the token and shapes.
@@ -300,6 +337,12 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
   model.num_classes = last.units;
   model.spec = absl::StrJoin(texts, ",");
   return model;
+}
+
+int64_t ActivationsPerExample(const ModelDef& model) {
+  int64_t n = model.input.size();
+  for (const LayerDef& layer : model.layers) n += layer.output.size();
+  return n;
 }
 
 std::vector<std::vector<float>> InitializeVariables(const ModelDef& model, uint64_t seed) {

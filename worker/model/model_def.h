@@ -63,6 +63,11 @@ inline constexpr char kTwoConvModelSpec[] =
 // be a Dense layer without relu; its units are num_classes.
 absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input);
 
+// Values one example's forward pass produces: its input and every layer's
+// output. A backend holds at least these and their gradients per example
+// of a batch.
+int64_t ActivationsPerExample(const ModelDef& model);
+
 // Keras initializers: Glorot-uniform kernels, zero biases, from `seed`.
 // Returns one vector per entry of model.variables.
 std::vector<std::vector<float>> InitializeVariables(const ModelDef& model, uint64_t seed);

@@ -1,5 +1,6 @@
 #include "worker/data/dataset.h"
 
+#include <sys/stat.h>
 #include <zlib.h>
 
 #include <cstdint>
@@ -488,6 +489,28 @@ TEST(LoadDatasetTest, MissingDirectoryIsNotFound) {
   absl::StatusOr<DataSplits> splits = LoadDataset("mnist", dir);
   EXPECT_EQ(splits.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(splits.status().message(), HasSubstr(dir));
+}
+
+// A plain file given as the directory was said not to exist.
+TEST(LoadDatasetTest, AFileGivenAsTheDirectoryIsNamedSo) {
+  const std::string file = TestDir() + "/plain";
+  WriteFile(file, {1, 2, 3}, false);
+  absl::StatusOr<DataSplits> splits = LoadDataset("mnist", file);
+  EXPECT_EQ(splits.status().code(), absl::StatusCode::kInvalidArgument) << splits.status();
+  EXPECT_THAT(splits.status().message(),
+              HasSubstr(file + " for data set mnist is not a directory"));
+}
+
+// A fifo in place of a data file blocked the worker in its open, for good.
+TEST(LoadDatasetTest, AFifoInPlaceOfADataFileIsRefused) {
+  const std::string dir = TestDir();
+  WriteMnistDir(dir);
+  fs::remove(dir + "/train-images-idx3-ubyte.gz");
+  const std::string fifo = dir + "/train-images-idx3-ubyte";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  absl::StatusOr<DataSplits> splits = LoadDataset("fashion_mnist", dir);
+  EXPECT_EQ(splits.status().code(), absl::StatusCode::kInvalidArgument) << splits.status();
+  EXPECT_THAT(splits.status().message(), HasSubstr(fifo + " is not a regular file"));
 }
 
 TEST(LoadDatasetTest, UnknownNameListsTheChoices) {

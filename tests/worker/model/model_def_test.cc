@@ -1,5 +1,7 @@
 #include "worker/model/model_def.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -57,6 +59,8 @@ TEST(ParseModelTest, SeedModelHasKerasShapesAndNames) {
   int64_t total = 0;
   for (const auto& v : m->variables) total += v.num_elements();
   EXPECT_EQ(total, 3 * 3 * 32 + 32 + 21632 * 128 + 128 + 128 * 10 + 10);
+  // The input, the convolution's output, its flattened copy, two dense outputs.
+  EXPECT_EQ(ActivationsPerExample(*m), 28 * 28 + 26 * 26 * 32 * 2 + 128 + 10);
 }
 
 TEST(ParseModelTest, TwoConvModelNumbersLayersLikeKeras) {
@@ -161,6 +165,32 @@ TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
   EXPECT_THAT(directory.status().message(), HasSubstr("is a directory"));
 }
 
+// A fifo or a device is no spec file: reading one blocked forever, or (for
+// /dev/zero) grew memory without bound. A file too large for a spec is
+// refused unread.
+TEST(ParseModelTest, SpecFilesThatCannotBeSpecsAreRefused) {
+  const std::string fifo = ::testing::TempDir() + "/model_def_test_fifo";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& path : {fifo, std::string("/dev/zero")}) {
+    auto model = ParseModel(absl::StrCat("@", path), kMnist);
+    EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument) << model.status();
+    EXPECT_THAT(model.status().message(), HasSubstr("\"" + path + "\" is not a regular file"));
+  }
+  std::remove(fifo.c_str());
+
+  const std::string big = ::testing::TempDir() + "/model_def_test_big_spec.txt";
+  {
+    std::ofstream f(big);
+    const std::string line = "dense:10,\n";
+    for (size_t written = 0; written <= (64u << 20); written += line.size()) f << line;
+  }
+  auto model = ParseModel(absl::StrCat("@", big), kMnist);
+  std::remove(big.c_str());
+  EXPECT_EQ(model.status().code(), absl::StatusCode::kInvalidArgument) << model.status();
+  EXPECT_THAT(model.status().message(), HasSubstr("is larger than 67108864 bytes"));
+}
+
 struct ErrorCase {
   std::string spec;
   Shape3 input;
@@ -190,6 +220,21 @@ TEST(ParseModelTest, ErrorsNameTheTokenAndWhatWasExpected) {
       {"flatten,dense", kMnist, {"token 2 \"dense\"", "dense:UNITS"}},
       {"flatten,dense:10:same", kMnist, {"token 2", "unknown option \"same\"", "relu"}},
       {"lstm:10,dense:10", kMnist, {"token 1 \"lstm:10\"", "unknown layer", "conv2d"}},
+      // An integer too large for its field was "not a positive integer".
+      {"flatten,dense:3000000000",
+       kMnist,
+       {"token 2", "units must be at most 2147483647, got 3000000000"}},
+      {"conv2d:99999999999999999999999:3,flatten,dense:10",
+       kMnist,
+       {"token 1", "filters must be at most 2147483647, got 99999999999999999999999"}},
+      // Bytes that do not show (a byte-order mark, a NUL) are escaped.
+      {"\xEF\xBB\xBF"
+       "conv2d:8:3,flatten,dense:10",
+       kMnist,
+       {"token 1 \"\\xef\\xbb\\xbfconv2d:8:3\"", "unknown layer \"\\xef\\xbb\\xbfconv2d\""}},
+      {std::string("conv2d:8:3\0,flatten,dense:10", 28),
+       kMnist,
+       {"kernel size must be a positive integer, got \"3\\x00\""}},
       {"conv2d:8:3,dense:10",
        kMnist,
        {"token 2 \"dense:10\"", "dense needs a flat input; add flatten before token 2"}},
