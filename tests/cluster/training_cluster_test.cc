@@ -383,7 +383,9 @@ TEST(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
   // A port nothing listens on: a shard started there and stopped.
   std::string refusing;
   {
-    auto probe = server::PsServer::Start(server::PsServerOptions{.address = "127.0.0.1:0"});
+    server::PsServerOptions ps;
+    ps.address = "127.0.0.1:0";
+    auto probe = server::PsServer::Start(ps);
     ASSERT_TRUE(probe.ok()) << probe.status();
     refusing = (*probe)->client_address();
   }
