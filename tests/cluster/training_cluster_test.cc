@@ -310,34 +310,51 @@ class StillHeldClient : public worker::PsClient {
 // chief waits for them as long as --wait_for_variables_s, saying so, where
 // its client alone gives up after its retries (here 2, 10 ms apart; 17 s
 // with the worker's defaults).
-TEST(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
-  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
-  auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
-  ASSERT_TRUE(model.ok()) << model.status();
-  auto backend = worker::CreateBackend("cpu", {});
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
-  // A free port: a shard started there and stopped.
-  server::PsServerOptions ps;
-  ps.address = "127.0.0.1:0";
-  std::string address;
-  {
-    auto probe = server::PsServer::Start(ps);
-    ASSERT_TRUE(probe.ok()) << probe.status();
-    address = (*probe)->client_address();
+// A small model on generated data, ready to train against shards of the
+// test's own.
+class TrainerStartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
+    ASSERT_TRUE(model.ok()) << model.status();
+    model_ = *std::move(model);
+    auto backend = worker::CreateBackend("cpu", {});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = *std::move(backend);
+    ASSERT_TRUE(backend_->Prepare(model_, 32).ok());
   }
+
+  // The address of a port that nothing listens on: a shard started there
+  // and stopped.
+  static std::string FreeAddress() {
+    server::PsServerOptions ps;
+    ps.address = "127.0.0.1:0";
+    auto probe = server::PsServer::Start(ps);
+    EXPECT_TRUE(probe.ok()) << probe.status();
+    return probe.ok() ? (*probe)->client_address() : "";
+  }
+
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  worker::ModelDef model_;
+  std::unique_ptr<worker::ComputeBackend> backend_;
+};
+
+TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
+  const std::string address = FreeAddress();
+  ASSERT_FALSE(address.empty());
+  server::PsServerOptions ps;
   ps.address = "127.0.0.1:" + address.substr(address.rfind(':') + 1);
   worker::GrpcPsClientOptions client_options;
   client_options.ps_addresses = {address};
   client_options.retry.max_attempts = 2;
   client_options.retry.initial_backoff = absl::Milliseconds(10);
-  auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+  auto client = worker::CreateGrpcPsClient(model_.variables, client_options);
   ASSERT_TRUE(client.ok()) << client.status();
 
   // No shard within the wait: an error that names the flag.
   worker::TrainerOptions options = SixSteps();
   options.wait_for_variables = absl::Milliseconds(300);
-  auto failed = worker::Train(*model, backend->get(), client->get(), train, test, options);
+  auto failed = worker::Train(model_, backend_.get(), client->get(), train, test, options);
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kDeadlineExceeded) << failed.status();
   EXPECT_THAT(failed.status().message(), ::testing::HasSubstr("(--wait_for_variables_s)"));
 
@@ -354,7 +371,7 @@ TEST(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   ASSERT_NE(progress, nullptr);
   options.progress = progress;
   options.wait_for_variables = absl::Seconds(60);
-  auto summary = worker::Train(*model, backend->get(), client->get(), train, test, options);
+  auto summary = worker::Train(model_, backend_.get(), client->get(), train, test, options);
   late.join();
   ASSERT_TRUE(started.ok()) << started;
   ASSERT_TRUE(summary.ok()) << summary.status();
@@ -372,23 +389,9 @@ TEST(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
 // defaults, used here): against a port where nothing listens, and against
 // a shard that accepts connections but never answers (one stopped with
 // SIGSTOP, here a socket that listens but never accepts).
-TEST(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
-  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
-  auto model = worker::ParseModel("flatten,dense:10", {8, 8, 1});
-  ASSERT_TRUE(model.ok()) << model.status();
-  auto backend = worker::CreateBackend("cpu", {});
-  ASSERT_TRUE(backend.ok()) << backend.status();
-  ASSERT_TRUE((*backend)->Prepare(*model, 32).ok());
-
-  // A port nothing listens on: a shard started there and stopped.
-  std::string refusing;
-  {
-    server::PsServerOptions ps;
-    ps.address = "127.0.0.1:0";
-    auto probe = server::PsServer::Start(ps);
-    ASSERT_TRUE(probe.ok()) << probe.status();
-    refusing = (*probe)->client_address();
-  }
+TEST_F(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
+  const std::string refusing = FreeAddress();
+  ASSERT_FALSE(refusing.empty());
   // A listening socket that never accepts: the kernel completes the
   // connections, and nothing ever answers on them.
   const int silent_fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -406,12 +409,12 @@ TEST(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
     SCOPED_TRACE(address == silent ? "a shard that never answers" : "no shard listening");
     worker::GrpcPsClientOptions client_options;  // the worker's retries and deadlines
     client_options.ps_addresses = {address};
-    auto client = worker::CreateGrpcPsClient(model->variables, client_options);
+    auto client = worker::CreateGrpcPsClient(model_.variables, client_options);
     ASSERT_TRUE(client.ok()) << client.status();
     worker::TrainerOptions options = SixSteps();
     options.wait_for_variables = absl::Seconds(1);
     const absl::Time start = absl::Now();
-    auto failed = worker::Train(*model, backend->get(), client->get(), train, test, options);
+    auto failed = worker::Train(model_, backend_.get(), client->get(), train, test, options);
     const absl::Duration waited = absl::Now() - start;
     EXPECT_EQ(failed.status().code(), absl::StatusCode::kDeadlineExceeded) << failed.status();
     EXPECT_THAT(failed.status().message(), ::testing::HasSubstr("(--wait_for_variables_s)"));
