@@ -237,7 +237,7 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       // reference backend) or "could not create a memory object" (oneDNN).
       {{worker, hosts[0], hosts[1], "--device=reference",
         "--model=conv2d:2000000:1,maxpool:28,flatten,dense:10"},
-       "GiB for a batch's activations and their gradients (1572000794 values per example)"},
+       "GiB for a batch's activations and their gradients (1570000794 values per example)"},
       {{worker, hosts[0], hosts[1], "--batch_size=100000000"},
        "876.2 GiB for the input batches assembled ahead"},
       {{worker, hosts[0], hosts[1], "--summary_json=/nonexistent/dir/x.json"},

@@ -169,9 +169,13 @@ absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
     if (!file) {
       return absl::NotFoundError(absl::StrCat("model spec file \"", path, "\" cannot be read"));
     }
-    std::string text(kMaxSpecFileBytes + 1, '\0');
-    file.read(text.data(), static_cast<std::streamsize>(text.size()));
-    text.resize(static_cast<size_t>(file.gcount()));
+    // Read up to one byte past the limit: a file that grows while it is
+    // read is held to it too.
+    std::string text;
+    char buffer[1 << 16];
+    while (text.size() <= kMaxSpecFileBytes && file.read(buffer, sizeof buffer).gcount() > 0) {
+      text.append(buffer, static_cast<size_t>(file.gcount()));
+    }
     if (text.size() > kMaxSpecFileBytes) {
       return absl::InvalidArgumentError(absl::StrCat("model spec file \"", path,
                                                      "\" is larger than ", kMaxSpecFileBytes,
@@ -341,7 +345,9 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
 
 int64_t ActivationsPerExample(const ModelDef& model) {
   int64_t n = model.input.size();
-  for (const LayerDef& layer : model.layers) n += layer.output.size();
+  for (const LayerDef& layer : model.layers) {
+    if (layer.kind != LayerKind::kFlatten) n += layer.output.size();
+  }
   return n;
 }
 

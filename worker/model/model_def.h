@@ -64,8 +64,8 @@ inline constexpr char kTwoConvModelSpec[] =
 absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input);
 
 // Values one example's forward pass produces: its input and every layer's
-// output. A backend holds at least these and their gradients per example
-// of a batch.
+// output but a flatten's (its input's, reshaped). A backend holds at least
+// these and their gradients per example of a batch.
 int64_t ActivationsPerExample(const ModelDef& model);
 
 // Keras initializers: Glorot-uniform kernels, zero biases, from `seed`.
