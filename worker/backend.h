@@ -35,6 +35,9 @@ class ComputeBackend {
  public:
   virtual ~ComputeBackend() = default;
   virtual std::string name() const = 0;
+  // Whether a batch's activations live in this process's memory (the CPU
+  // backends) rather than a device's (which Prepare checks itself).
+  virtual bool ActivationsInHostMemory() const { return true; }
 
   // Sets the backend up for `model` and batches of at most `max_batch`
   // examples; all buffers are allocated here, once, and reused by every step.

@@ -230,9 +230,10 @@ int main(int argc, char** argv) {
     // its backend checks); the batches the data pipeline assembles ahead.
     const double gib = 1 << 30;
     const double weights = static_cast<double>(parameters) * 4 * 6;
-    const bool on_host = (*backend)->name() != "cuda";
     const double activations =
-        on_host ? static_cast<double>(ActivationsPerExample(*model)) * batch_size * 4 * 2 : 0;
+        (*backend)->ActivationsInHostMemory()
+            ? static_cast<double>(ActivationsPerExample(*model)) * batch_size * 4 * 2
+            : 0;
     const double batches = static_cast<double>(data->train.example_size()) * batch_size * 4 *
                            (BatcherOptions().prefetch + 1);
     const double need = weights + activations + batches;

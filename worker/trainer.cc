@@ -122,8 +122,8 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
 absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
   const absl::Time deadline = absl::Now() + options.wait_for_variables;
   while (true) {
-    // Each check ends by the wait's deadline (with at least a second to be
-    // answered, however short the wait) and within 10 s, so that a line
+    // Each check ends by the wait's deadline (but has at least a second to
+    // be answered, however short the wait) and within 10 s, so that a line
     // says what the chief waits for while a shard is slow to answer.
     const absl::Time now = absl::Now();
     absl::StatusOr<std::vector<StatusResponse>> statuses = client->GetStatus(

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -296,6 +297,7 @@ class StillHeldClient : public worker::PsClient {
                                               absl::Span<float* const> values) override {
     return absl::UnimplementedError("not in this test");
   }
+  using worker::PsClient::GetStatus;
   absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) override {
     return inner_->GetStatus(deadline);
   }
@@ -306,10 +308,6 @@ class StillHeldClient : public worker::PsClient {
   int pushes_ = 0;
 };
 
-// The ps shards may start after the chief, as a cluster's pods do: the
-// chief waits for them as long as --wait_for_variables_s, saying so, where
-// its client alone gives up after its retries (here 2, 10 ms apart; 17 s
-// with the worker's defaults).
 // A small model on generated data, ready to train against shards of the
 // test's own.
 class TrainerStartTest : public ::testing::Test {
@@ -339,6 +337,10 @@ class TrainerStartTest : public ::testing::Test {
   std::unique_ptr<worker::ComputeBackend> backend_;
 };
 
+// The ps shards may start after the chief, as a cluster's pods do: the
+// chief waits for them as long as --wait_for_variables_s, saying so, where
+// its client alone gives up after its retries (here 2, 10 ms apart; 17 s
+// with the worker's defaults).
 TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   const std::string address = FreeAddress();
   ASSERT_FALSE(address.empty());
@@ -396,6 +398,7 @@ TEST_F(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
   // connections, and nothing ever answers on them.
   const int silent_fd = ::socket(AF_INET, SOCK_STREAM, 0);
   ASSERT_GE(silent_fd, 0);
+  absl::Cleanup close_silent = [silent_fd] { ::close(silent_fd); };
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -421,7 +424,6 @@ TEST_F(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
     // A second of wait, and at most one more check of at least a second.
     EXPECT_LT(waited, absl::Seconds(5)) << "the chief waited " << waited << " for a 1 s wait";
   }
-  ::close(silent_fd);
 }
 
 // The trainer keeps such a gradient: reading it after Train returned is no

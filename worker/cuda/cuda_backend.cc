@@ -71,6 +71,7 @@ class CudaBackend final : public ComputeBackend {
 
   absl::Status Init();
   std::string name() const override { return "cuda"; }
+  bool ActivationsInHostMemory() const override { return false; }
   absl::Status Prepare(const ModelDef& model, int max_batch) override;
   absl::Status TrainStep(absl::Span<const float* const> params, const float* images,
                          const int32_t* labels, int batch, absl::Span<float* const> grads,

@@ -344,9 +344,14 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
 }
 
 int64_t ActivationsPerExample(const ModelDef& model) {
+  // Each size is below 2^62 (sides of at most 2^15, channels of at most
+  // 2^31), but their sum is not: it saturates, so that no memory check is
+  // passed by a sum that wrapped around.
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   int64_t n = model.input.size();
   for (const LayerDef& layer : model.layers) {
-    if (layer.kind != LayerKind::kFlatten) n += layer.output.size();
+    if (layer.kind == LayerKind::kFlatten) continue;
+    n = layer.output.size() > kMax - n ? kMax : n + layer.output.size();
   }
   return n;
 }

@@ -65,7 +65,7 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input);
 
 // Values one example's forward pass produces: its input and every layer's
 // output but a flatten's (its input's, reshaped). A backend holds at least
-// these and their gradients per example of a batch.
+// these and their gradients per example of a batch. Saturates at INT64_MAX.
 int64_t ActivationsPerExample(const ModelDef& model);
 
 // Keras initializers: Glorot-uniform kernels, zero biases, from `seed`.

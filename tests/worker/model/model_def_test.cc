@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,19 @@ TEST(ParseModelTest, SeedModelHasKerasShapesAndNames) {
   // The input, the convolution's output (flatten only reshapes it), two
   // dense outputs.
   EXPECT_EQ(ActivationsPerExample(*m), 28 * 28 + 26 * 26 * 32 + 128 + 10);
+}
+
+// 2^60 values per layer (a 2^30-filter convolution of 32768x32768 images,
+// then 8 poolings that keep its size), 9 of them: the sum saturates, where it wrapped around to a
+// negative count that any memory check passed.
+TEST(ParseModelTest, ActivationsPerExampleSaturates) {
+  std::string spec = "conv2d:1073741824:1";
+  for (int i = 0; i < 8; ++i) spec += ",maxpool:1";
+  spec += ",maxpool:32768,conv2d:1:1,flatten,dense:10";  // variables of 2^30 at most
+  auto m = ParseModel(spec, {32768, 32768, 1});
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->layers[8].output.size(), int64_t{1} << 60);
+  EXPECT_EQ(ActivationsPerExample(*m), std::numeric_limits<int64_t>::max());
 }
 
 TEST(ParseModelTest, TwoConvModelNumbersLayersLikeKeras) {
