@@ -2,7 +2,9 @@
 # Starts a psflow cluster on this machine: NUM_PS ps_server processes and
 # NUM_WORKERS worker processes, each told its role through TF_CONFIG exactly
 # as Kubeflow's TFJob would. Waits for the workers, then stops the servers.
-# Every process it started is stopped when it ends or is interrupted.
+# It ends as soon as a process fails (a shard that exits, a worker that
+# exits with an error), naming it and showing the end of its log. Every
+# process it started is stopped when it ends, is interrupted, or is killed.
 #
 #   deploy/local/run_cluster.sh [worker flags...]
 #
@@ -22,14 +24,51 @@ LOG_DIR=${LOG_DIR:-$BUILD_DIR/run}
 PS_FLAGS=${PS_FLAGS:-}
 PS_NETNS=${PS_NETNS:-}
 PS_HOST=${PS_HOST:-localhost}
-ps_launch=()
-[ -z "$PS_NETNS" ] || ps_launch=(ip netns exec "$PS_NETNS")
 ps_bin=$BUILD_DIR/ps_server/ps_server
 worker_bin=$BUILD_DIR/worker/worker
 for b in "$ps_bin" "$worker_bin"; do
   [ -x "$b" ] || { echo "run_cluster: $b is missing; build first (deploy/build.sh)" >&2; exit 1; }
 done
+
+# The numbers feed the arithmetic below: a typo gets a message, not a bash
+# arithmetic error (or "08" read as octal).
+check_count() {  # name value minimum maximum
+  if ! [[ $2 =~ ^[0-9]+$ ]] || [ "$((10#$2))" -lt "$3" ] || [ "$((10#$2))" -gt "$4" ]; then
+    echo "run_cluster: $1 must be an integer from $3 to $4, got \"$2\"" >&2
+    exit 2
+  fi
+}
+check_count NUM_PS "$NUM_PS" 1 64
+check_count NUM_WORKERS "$NUM_WORKERS" 1 256
+NUM_PS=$((10#$NUM_PS)) NUM_WORKERS=$((10#$NUM_WORKERS))
+if [ -n "${BASE_PORT:-}" ]; then
+  check_count BASE_PORT "$BASE_PORT" 1 $((65535 - NUM_PS - NUM_WORKERS))
+  BASE_PORT=$((10#$BASE_PORT))
+fi
+for arg in "$@"; do
+  case $arg in
+    --help | -help | --helpfull | --helpshort | --helpmatch=* | --version)
+      exec "$worker_bin" "$arg" ;;
+    --summary_json | --summary_json=*)
+      echo "run_cluster: each worker's summary goes to \$LOG_DIR/worker-<index>.json; set" \
+        "LOG_DIR instead of $arg" >&2
+      exit 2 ;;
+  esac
+done
 mkdir -p "$LOG_DIR"
+if ! [ -w "$LOG_DIR" ] || ! [ -x "$LOG_DIR" ]; then
+  echo "run_cluster: LOG_DIR=$LOG_DIR is not writable by this user" >&2
+  exit 1
+fi
+
+# Split on whitespace, never expanded against the current directory.
+read -r -a ps_flags <<< "$PS_FLAGS"
+# Every process gets SIGTERM if this script dies, even by SIGKILL (which
+# runs no cleanup): setpriv, from util-linux, sets the parent-death signal.
+launch=()
+if command -v setpriv > /dev/null; then launch=(setpriv --pdeathsig TERM); fi
+ps_launch=("${launch[@]}")
+[ -z "$PS_NETNS" ] || ps_launch+=(ip netns exec "$PS_NETNS")
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 pick_base() {
@@ -56,6 +95,7 @@ cores=$(nproc)
 threads=$(( cores / NUM_WORKERS )); [ "$threads" -ge 1 ] || threads=1
 
 pids=()
+declare -A role  # pid -> "ps 0", "worker 1", ...
 cleanup() {
   # A second Ctrl-C (or a SIGINT to the whole process group) must not cut the
   # cleanup short and leave processes running.
@@ -65,49 +105,75 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-trap 'echo "run_cluster: interrupted, stopping the cluster" >&2; exit 130' INT TERM
+trap 'echo "run_cluster: interrupted, stopping the cluster" >&2; exit 130' INT
+trap 'echo "run_cluster: terminated, stopping the cluster" >&2; exit 143' TERM
+
+# The end of a process's log, for a failure's message.
+show_log() {  # role ("ps 0", "worker 1")
+  local log="$LOG_DIR/${1/ /-}.log"
+  echo "--- $log" >&2
+  tail -n 5 "$log" >&2 || true
+}
 
 echo "run_cluster: $NUM_PS ps + $NUM_WORKERS workers on localhost:$BASE_PORT.., logs in $LOG_DIR"
 for i in $(seq 0 $((NUM_PS - 1))); do
-  TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 $PS_FLAGS >"$LOG_DIR/ps-$i.log" 2>&1 &
+  TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 "${ps_flags[@]}" \
+    >"$LOG_DIR/ps-$i.log" 2>&1 &
   pids+=($!)
+  role[$!]="ps $i"
 done
 # A shard that cannot start (a port in use, a bad flag) ends at once: report
 # its log now rather than a worker's connection errors later.
 sleep 0.5
 for i in $(seq 0 $((NUM_PS - 1))); do
   if ! kill -0 "${pids[$i]}" 2>/dev/null; then
-    echo "run_cluster: ps $i exited at start; $LOG_DIR/ps-$i.log says:" >&2
-    tail -n 5 "$LOG_DIR/ps-$i.log" >&2
+    echo "run_cluster: ps $i exited at start:" >&2
+    show_log "ps $i"
     exit 1
   fi
 done
-worker_pids=()
 for i in $(seq 0 $((NUM_WORKERS - 1))); do
   if [ "$i" = 0 ]; then
     # The chief's progress goes to the terminal; everyone's to the logs.
     # (tee in a process substitution, so that $! is the worker itself and
     # the cleanup's SIGTERM reaches it.)
-    TF_CONFIG=$(tf_config worker 0) "$worker_bin" --threads=$threads \
+    TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" --threads=$threads \
       --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 &
   else
-    TF_CONFIG=$(tf_config worker "$i") "$worker_bin" --threads=$threads \
+    TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" --threads=$threads \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 &
   fi
   pids+=($!)
-  worker_pids+=($!)
+  role[$!]="worker $i"
 done
 
-status=0
-for p in "${worker_pids[@]}"; do wait "$p" || status=$?; done
-if [ $status -ne 0 ]; then
-  echo "run_cluster: a worker failed (exit $status); see $LOG_DIR/worker-*.log" >&2
-  for f in "$LOG_DIR"/worker-*.log "$LOG_DIR"/ps-*.log; do
-    echo "--- $f" >&2
-    tail -n 3 "$f" >&2
-  done
-  exit $status
-fi
+# Until every worker has finished, the first process to fail ends the run:
+# the others would wait for it (the workers for a chief that never
+# registered the model, the chief for a shard that is gone).
+running=("${pids[@]}")
+workers_left=$NUM_WORKERS
+while [ "$workers_left" -gt 0 ]; do
+  done_pid=
+  status=0
+  wait -n -p done_pid "${running[@]}" || status=$?
+  [ -n "$done_pid" ] || continue
+  still=()
+  for p in "${running[@]}"; do [ "$p" = "$done_pid" ] || still+=("$p"); done
+  running=("${still[@]}")
+  who=${role[$done_pid]}
+  if [[ $who == worker* ]] && [ "$status" -eq 0 ]; then
+    workers_left=$((workers_left - 1))
+    continue
+  fi
+  if [[ $who == ps* ]]; then
+    echo "run_cluster: $who exited (code $status) while the workers ran:" >&2
+  else
+    echo "run_cluster: $who failed (exit $status):" >&2
+  fi
+  show_log "$who"
+  echo "run_cluster: stopping the others; every log is in $LOG_DIR" >&2
+  exit $(( status == 0 ? 1 : status ))
+done
 for i in $(seq 0 $((NUM_WORKERS - 1))); do
   [ "$i" = 0 ] || tail -n 1 "$LOG_DIR/worker-$i.log"
 done

@@ -37,6 +37,7 @@ check_count --batch_size "$batch" 1
 check_count --train_steps "$cap" 0
 check_count NUM_WORKERS "$workers" 1
 epochs=$((10#$epochs)) batch=$((10#$batch)) cap=$((10#$cap)) workers=$((10#$workers))
+export NUM_WORKERS=$workers  # as counted here ("08" is 8)
 per_worker=$(( (examples + workers - 1) / workers ))
 steps=$(( epochs * ((per_worker + batch - 1) / batch) ))  # per worker
 if [ "$cap" -gt 0 ] && [ "$cap" -lt "$steps" ]; then steps=$cap; fi

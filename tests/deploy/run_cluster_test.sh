@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Runs deploy/local/run_cluster.sh as a user would, against the binaries of
+# the build directory given as $1:
+#  - a short run trains and reports the chief's accuracy;
+#  - settings it cannot use are refused with a message;
+#  - a chief killed early ends the run at once (the other worker used to
+#    keep it waiting for the chief's variables, 5 minutes);
+#  - the launcher killed with SIGKILL, which runs no cleanup, leaves none
+#    of its processes running.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/../.." && pwd)
+export BUILD_DIR=${1:?usage: run_cluster_test.sh BUILD_DIR}
+run=$here/deploy/local/run_cluster.sh
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+# expect NAME WANT_RC WANT_TEXT RC OUTPUT_FILE
+expect() {
+  if [ "$4" != "$2" ]; then fail "$1: exit code $4, expected $2"; cat "$5" >&2; fi
+  grep -qF -- "$3" "$5" || { fail "$1: output lacks \"$3\""; cat "$5" >&2; }
+}
+# waits up to $2 seconds for $1 processes whose command line holds $3
+wait_for_processes() {
+  for _ in $(seq $(($2 * 10))); do
+    [ "$(pgrep -fc -- "$3")" -ge "$1" ] && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
+# A short run.
+NUM_PS=1 NUM_WORKERS=2 LOG_DIR=$work/ok timeout 240 bash "$run" --train_steps=3 --epochs=1 \
+  > "$work/ok.out" 2>&1
+expect "a short run" 0 "run_cluster: final test accuracy (chief): 0." $? "$work/ok.out"
+
+# Settings it cannot use.
+NUM_WORKERS=08x LOG_DIR=$work/bad timeout 60 bash "$run" > "$work/bad.out" 2>&1
+expect "NUM_WORKERS=08x" 2 'NUM_WORKERS must be an integer from 1 to 256, got "08x"' $? \
+  "$work/bad.out"
+LOG_DIR=$work/bad timeout 60 bash "$run" --summary_json=/tmp/x.json > "$work/bad.out" 2>&1
+expect "--summary_json" 2 "set LOG_DIR instead of --summary_json=/tmp/x.json" $? "$work/bad.out"
+
+# The chief killed early: the run ends with its exit code, naming it.
+LOG_DIR=$work/chief timeout 240 bash "$run" --train_steps=100000 --epochs=1 \
+  > "$work/chief.out" 2>&1 &
+launcher=$!
+if wait_for_processes 1 60 "--summary_json=$work/chief/worker-0.json"; then
+  start=$(date +%s)
+  pkill -9 -f -- "--summary_json=$work/chief/worker-0.json"
+  wait "$launcher"
+  rc=$?
+  expect "a chief killed early" 137 "run_cluster: worker 0 failed (exit 137)" $rc "$work/chief.out"
+  took=$(($(date +%s) - start))
+  [ "$took" -le 60 ] || fail "the run ended ${took} s after its chief was killed"
+else
+  fail "the chief never started"; cat "$work/chief.out" >&2
+  kill "$launcher"; wait "$launcher"
+fi
+
+# The launcher killed: its shards and workers follow it.
+LOG_DIR=$work/kill bash "$run" --train_steps=100000 --epochs=1 > "$work/kill.out" 2>&1 &
+launcher=$!
+if wait_for_processes 2 60 "--summary_json=$work/kill/worker-"; then
+  children=$(pgrep -P "$launcher" | tr '\n' ' ')
+  kill -9 "$launcher"
+  wait "$launcher" 2> /dev/null
+  left=
+  for _ in $(seq 100); do
+    left=
+    for p in $children; do kill -0 "$p" 2> /dev/null && left+="$p "; done
+    [ -z "$left" ] && break
+    sleep 0.1
+  done
+  if [ -n "$left" ]; then
+    left=${left% }
+    fail "processes left running after the launcher was killed: $(ps -o pid=,args= -p "${left// /,}")"
+    kill -9 $left 2> /dev/null
+  fi
+else
+  fail "the workers never started"; cat "$work/kill.out" >&2
+  kill "$launcher"; wait "$launcher"
+fi
+
+[ "$failures" -eq 0 ] && echo "run_cluster_test: all cases passed"
+exit $((failures > 0))
