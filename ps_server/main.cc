@@ -7,6 +7,8 @@
 // Flags win over TF_CONFIG. SIGTERM or SIGINT shut the server down
 // gracefully (calls in flight may finish, for up to 5 s); a second one
 // ends it at once.
+#include <grpc/grpc.h>
+
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
@@ -337,6 +339,11 @@ int main(int argc, char** argv) {
 
   auto options = BuildOptions();
   if (!options.ok()) return Fail(options.status());
+  // A reference to gRPC's library held until the process ends, so that
+  // destroying the stopped server does not end the library: ending it joins
+  // a poller thread that may be waiting out a timer (the shard exited 9.5 s
+  // after SIGTERM when a worker had disconnected just before it).
+  grpc_init();
   auto server = PsServer::Start(*options);
   if (!server.ok()) return Fail(server.status());
 
@@ -386,12 +393,5 @@ int main(int argc, char** argv) {
       static_cast<long long>(stats.rejected_requests),
       static_cast<long long>(stats.stripes_copied_on_write));
   std::fflush(stdout);
-  // The server has stopped; the process ends without destroying it.
-  // Destroying it ends gRPC's library (the server holds its last
-  // reference), and that joins a poller thread which may be waiting out a
-  // timer: the shard exited 9.5 s after SIGTERM when a worker had
-  // disconnected just before it. Kept reachable, it is no leak either.
-  static PsServer* const kept = server->release();
-  static_cast<void>(kept);
   return 0;
 }
