@@ -48,6 +48,18 @@ class MultiProcessTest : public ProcessTest {
     return {code, ReadFile(log)};
   }
 
+  // Starts a shard on a free loopback port, logging to `log`, and sets
+  // `address` to where it listens; returns its pid, or 0 if it did not
+  // start listening.
+  pid_t StartLoopbackShard(const std::string& log, std::string* address) {
+    const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"}, "", log);
+    if (pid <= 0 || !WaitForText(log, "listening on", pid, std::chrono::seconds(20))) return 0;
+    const std::string text = ReadFile(log);
+    const size_t at = text.find("listening on 127.0.0.1:") + std::strlen("listening on ");
+    *address = text.substr(at, text.find(',', at) - at);
+    return pid;
+  }
+
  private:
   int runs_ = 0;
 };
@@ -306,12 +318,9 @@ TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
 // ends the shard at once, as a second Ctrl-C is meant to (it was ignored).
 TEST_F(MultiProcessTest, SecondSignalEndsTheShutdownAtOnce) {
   const std::string log = dir_ + "/ps.log";
-  const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"}, "", log);
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
-  const std::string text = ReadFile(log);
-  const size_t at = text.find("listening on 127.0.0.1:") + std::strlen("listening on ");
-  const std::string address = text.substr(at, text.find(',', at) - at);
+  std::string address;
+  const pid_t pid = StartLoopbackShard(log, &address);
+  ASSERT_GT(pid, 0) << ReadFile(log);
   // A push whose stream stays open: the shutdown waits for it.
   auto stub =
       ParameterServer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
@@ -341,12 +350,9 @@ TEST_F(MultiProcessTest, SecondSignalEndsTheShutdownAtOnce) {
 // poller thread that waited out a timer set while the client was there.
 TEST_F(MultiProcessTest, ShardStopsAtOnceAfterItsLastClientLeft) {
   const std::string log = dir_ + "/ps.log";
-  const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"}, "", log);
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
-  const std::string text = ReadFile(log);
-  const size_t at = text.find("listening on 127.0.0.1:") + std::strlen("listening on ");
-  const std::string address = text.substr(at, text.find(',', at) - at);
+  std::string address;
+  const pid_t pid = StartLoopbackShard(log, &address);
+  ASSERT_GT(pid, 0) << ReadFile(log);
   const auto [code, out] =
       RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=" + address, "--worker_hosts=127.0.0.1:1",
                 "--train_steps=2", "--epochs=1", "--threads=1"});
