@@ -1,8 +1,7 @@
 // ps_server: one shard of psflow's parameter servers.
 //
 //   ps_server --port=2222 --shard_index=0 --num_shards=2
-//   TF_CONFIG='{"cluster":{"ps":["h0:2222","h1:2222"],...},"task":{"type":"ps","index":1}}'
-//   ps_server
+//   TF_CONFIG='{"cluster":{"ps":["h0:2222","h1:2222"]},"task":{"type":"ps","index":1}}' ps_server
 //
 // Flags win over TF_CONFIG. SIGTERM or SIGINT shut the server down
 // gracefully (calls in flight may finish, for up to 5 s); a second one
@@ -392,6 +391,5 @@ int main(int argc, char** argv) {
       options->store.shard_index, static_cast<long long>(stats.pushes),
       static_cast<long long>(stats.rejected_requests),
       static_cast<long long>(stats.stripes_copied_on_write));
-  std::fflush(stdout);
   return 0;
 }
