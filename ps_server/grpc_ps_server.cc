@@ -515,6 +515,7 @@ class PsServer::Service final : public grpc::Service {
     response->set_stripes_copied_on_write(stats.stripes_copied_on_write);
     response->set_allows_non_finite_gradients(o.allow_non_finite_gradients);
     response->set_pushes_checked_by_client(stats.pushes_checked_by_client);
+    response->set_max_chunk_bytes(store_->options().max_chunk_bytes);
     const CallGate::Counts calls = gate_.counts();
     response->set_calls_serving(calls.serving);
     response->set_calls_waiting(calls.waiting);

@@ -215,9 +215,31 @@ class GrpcPsClient final : public PsClient {
         const Part& part = plan_.parts()[p];
         shard.by_name.emplace(plan_.variables()[part.variable_index].name, p);
       }
-      shard.messages = PlanMessages(shard.parts);
-      for (int k = 0; k < NumStreams(s); ++k) BuildPullRequest(s, k);
+      PlanShardMessages(s, options_.max_chunk_bytes);
     }
+  }
+
+  // Cuts shard s's registration and push into messages of at most
+  // `chunk_bytes` of data each, and its pulls over several connections
+  // into the same shares.
+  void PlanShardMessages(int s, int64_t chunk_bytes) {
+    Shard& shard = shards_[s];
+    shard.chunk_bytes = chunk_bytes;
+    shard.messages = PlanMessages(shard.parts, chunk_bytes);
+    for (int k = 0; k < NumStreams(s); ++k) BuildPullRequest(s, k);
+  }
+
+  // Sends shard s messages no larger than it accepts (its --max_chunk_bytes,
+  // which `status` reports), where that is less than this client's own
+  // limit, instead of having them refused. Called by Register and
+  // WaitForVariables, which run before any Push or Pull (PsClient), so no
+  // call uses the plan while it changes.
+  void FitMessagesToShard(int s, const StatusResponse& status) {
+    int64_t chunk = options_.max_chunk_bytes;
+    if (status.max_chunk_bytes() > 0) {  // 0: a shard that does not say
+      chunk = std::min(chunk, std::max<int64_t>(4, status.max_chunk_bytes() / 4 * 4));
+    }
+    if (chunk != shards_[s].chunk_bytes) PlanShardMessages(s, chunk);
   }
 
   // Connection k's pull of shard s: every part on one connection, else the
@@ -226,8 +248,10 @@ class GrpcPsClient final : public PsClient {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
     PullRequest& request = conn.pull_request;
+    request.Clear();
+    conn.pull_elements = 0;
     request.set_worker_id(options_.worker_id);
-    request.set_max_chunk_bytes(options_.max_chunk_bytes);
+    request.set_max_chunk_bytes(shard.chunk_bytes);
     if (NumStreams(s) == 1) {
       // Every part by name (not the empty list, which means all the shard
       // holds): a shard that lost a part answers NOT_FOUND naming it, and
@@ -269,6 +293,10 @@ class GrpcPsClient final : public PsClient {
       int attempts = 0;
       return RetryCall(options_.retry, [&] {
         if (++attempts > 1) retried = true;
+        // How large a message the shard takes, before sending it any.
+        StatusResponse status;
+        PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &status));
+        FitMessagesToShard(s, status);
         return RegisterOnce(s, initial_values, &responses[s]);
       });
     }));
@@ -314,6 +342,7 @@ class GrpcPsClient final : public PsClient {
       }
       if (missing.ok()) {
         LearnShardPolicies(*statuses);
+        for (int s = 0; s < plan_.num_shards(); ++s) FitMessagesToShard(s, (*statuses)[s]);
         return absl::OkStatus();
       }
       if (!IsRetryable(missing)) return missing;
@@ -474,14 +503,18 @@ class GrpcPsClient final : public PsClient {
     std::vector<Connection> conns;                 // streams_per_shard of them
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    // The shard's stream messages (registration, push): max_chunk_bytes of
+    // The shard's stream messages (registration, push): chunk_bytes of
     // data each, big parts spanning messages and small ones sharing one. A
     // push or pull over several connections gives each a contiguous share.
+    // chunk_bytes is the client's max_chunk_bytes, or the shard's where
+    // that is smaller (FitMessagesToShard).
+    int64_t chunk_bytes = 0;
     std::vector<std::vector<SegmentRef>> messages;
   };
 
-  std::vector<std::vector<SegmentRef>> PlanMessages(const std::vector<int>& parts) const {
-    const int64_t chunk = std::max<int64_t>(1, options_.max_chunk_bytes / 4);
+  std::vector<std::vector<SegmentRef>> PlanMessages(const std::vector<int>& parts,
+                                                    int64_t chunk_bytes) const {
+    const int64_t chunk = std::max<int64_t>(1, chunk_bytes / 4);
     std::vector<std::vector<SegmentRef>> messages(1);
     int64_t in_msg = 0;
     for (int p : parts) {
@@ -643,15 +676,17 @@ class GrpcPsClient final : public PsClient {
   // gRPC refuses a message over a shard's receive limit (its
   // --max_chunk_bytes and 1 MiB for framing) with an error that names no
   // setting; this adds the two that must agree.
-  absl::Status NameChunkLimit(absl::Status status) const {
+  absl::Status NameChunkLimit(int s, absl::Status status) const {
     if (!absl::IsResourceExhausted(status) ||
         !absl::StrContains(status.message(), "larger than max")) {
       return status;
     }
     return absl::ResourceExhaustedError(absl::StrCat(
-        status.message(), "; this client sends up to ", options_.max_chunk_bytes,
-        " bytes of tensor data per message (worker --max_chunk_bytes), which must be no more "
-        "than the shard's ps_server --max_chunk_bytes"));
+        status.message(), "; this client sends up to ", shards_[s].chunk_bytes,
+        " bytes of tensor data per message, the smaller of its own limit (worker "
+        "--max_chunk_bytes) and the shard's ps_server --max_chunk_bytes as it was when the "
+        "client registered or waited for the variables (was the shard restarted with a smaller "
+        "one?)"));
   }
 
   // rpc_timeout from now, or `cap` if sooner.
@@ -696,7 +731,7 @@ class GrpcPsClient final : public PsClient {
       msg.Clear();
     }
     writer->WritesDone();
-    return NameChunkLimit(FromGrpcStatus(writer->Finish(), shard.name));
+    return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
   }
 
   // Writes messages [begin, end) of shard s's push of `grads` as
@@ -811,7 +846,7 @@ class GrpcPsClient final : public PsClient {
         grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_method, &context, &response));
     WritePush(s, begin, end, grads, call, refs, writer.get(), [&] { return writer->WritesDone(); });
-    return NameChunkLimit(FromGrpcStatus(writer->Finish(), shard.name));
+    return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
   }
 
   // Returns `status` once gRPC holds none of the gradient slices counted by
@@ -891,7 +926,7 @@ class GrpcPsClient final : public PsClient {
     writer.join();
     const grpc::Status status = stream->Finish();
     PSFLOW_RETURN_IF_ERROR(bad);
-    return NameChunkLimit(FromGrpcStatus(status, shard.name));
+    return NameChunkLimit(s, FromGrpcStatus(status, shard.name));
   }
 
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {

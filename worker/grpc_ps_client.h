@@ -25,7 +25,10 @@ struct GrpcPsClientOptions {
   std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
   int worker_id = 0;
   int64_t min_split_bytes = 256 * 1024;   // partition plan threshold; same on every process
-  int64_t max_chunk_bytes = 1 << 20;      // data per stream message (<= the servers' limit)
+  // Data per stream message at most. A shard whose own limit is smaller
+  // (its --max_chunk_bytes, in GetStatus) gets messages of that size once
+  // the client has registered or waited for the variables.
+  int64_t max_chunk_bytes = 1 << 20;
   absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
   RetryOptions retry;
   // How long the ps shards remember a push's request id (their

@@ -64,8 +64,8 @@ ABSL_FLAG(bool, fused_push_pull, false,
           "directions at once (about half the communication time on a network link; the "
           "values read are a little older). Default: a Push, then a Pull.");
 ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20,
-          "Tensor data per stream message; no larger than the ps shards' --max_chunk_bytes "
-          "(4 MiB by default), which refuse larger segments.");
+          "Tensor data per stream message at most; less to a ps shard whose own "
+          "--max_chunk_bytes is smaller (the worker asks each shard at start).");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments of the connections to the ps shards, "
           "name=value[,name=value...] (for tuning experiments; grpc.keepalive_time_ms and "
@@ -163,9 +163,7 @@ int main(int argc, char** argv) {
   if (const int64_t chunk = absl::GetFlag(FLAGS_max_chunk_bytes);
       chunk < 4 || chunk > kMaxChunkBytes) {
     return Fail(absl::InvalidArgumentError(
-        absl::StrCat("--max_chunk_bytes=", chunk, "; expected 4 to ", kMaxChunkBytes,
-                     " (1 GiB), and no more than the ps "
-                     "shards' --max_chunk_bytes (4 MiB by default)")));
+        absl::StrCat("--max_chunk_bytes=", chunk, "; expected 4 to ", kMaxChunkBytes, " (1 GiB)")));
   }
   // The summary is written at the end of training: find out now whether it
   // can be, not after the run. A file the probe created is removed again, so

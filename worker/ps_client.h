@@ -45,7 +45,9 @@ struct PushInfo {
 // Every call works on all shards in parallel and returns when all are done;
 // partitioned variables are split and re-assembled here. Thread safety: Pull
 // and Push may run concurrently with each other (prefetching the next pull
-// while pushing), but not two Pulls or two Pushes at once.
+// while pushing), but not two Pulls or two Pushes at once. Register and
+// WaitForVariables run before them (they may fit the client's messages to
+// what the shards accept), not while any other call runs.
 class PsClient {
  public:
   virtual ~PsClient() = default;

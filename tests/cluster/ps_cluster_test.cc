@@ -491,6 +491,51 @@ TEST_F(PsClusterTest, StreamsPerShardMustBeSensible) {
   EXPECT_EQ(AutoStreamsPerShard(16), 4);
 }
 
+// Shards that take less data per message than the workers send: each
+// client asks them when it registers or waits for the variables, and cuts
+// its messages to fit, instead of having them refused (the registration
+// failed with INVALID_ARGUMENT before).
+TEST_F(PsClusterTest, ClientsFitTheirMessagesToTheShardsSmallerLimit) {
+  // 64 KiB + 2 bytes: 16,384 floats, the 2 bytes no whole float.
+  StartCluster(2, SgdLr1(), /*server_max_chunk=*/64 * 1024 + 2);
+  // "w" (1.2 MB) split over both shards, each half several 64 KiB messages.
+  const std::vector<VariableSpec> vars = {{"w", {300, 1000}}, {"b", {1000}}};
+  auto chief = Client(vars, /*chunk=*/4 << 20, 256 * 1024, /*worker_id=*/0, /*streams=*/2);
+  auto other = Client(vars, /*chunk=*/1 << 20, 256 * 1024, /*worker_id=*/1, /*streams=*/1);
+  ASSERT_NE(chief, nullptr);
+  ASSERT_NE(other, nullptr);
+  ASSERT_EQ(chief->plan().PartsOfVariable(0).size(), 2u);
+  auto fill = [&](float scale) {
+    Tensors t = Make(vars, 0.0f);
+    for (size_t v = 0; v < vars.size(); ++v) {
+      for (size_t i = 0; i < t.data[v].size(); ++i) {
+        t.data[v][i] = scale * static_cast<float>((i * 7 + v) % 32);
+      }
+    }
+    return t;
+  };
+  const Tensors init = fill(1.0f), g1 = fill(0.5f), g2 = fill(0.25f);
+  auto registered = chief->Register(init.cptrs());
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  ASSERT_TRUE(other->WaitForVariables(absl::Seconds(10)).ok());
+  ASSERT_TRUE(other->Push(g1.cptrs(), {1, 0}).ok());
+  Tensors want = init;
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < want.data[v].size(); ++i) {
+      want.data[v][i] -= g1.data[v][i] + g2.data[v][i];
+    }
+  }
+  Tensors got = Make(vars, -99.0f);
+  auto result = chief->PushPull(g2.cptrs(), {1, 1}, got.ptrs());
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(got.data, want.data);
+  for (PsClient* client : {chief.get(), other.get()}) {
+    Tensors pulled = Make(vars, -99.0f);
+    ASSERT_TRUE(client->Pull(pulled.ptrs()).ok());
+    EXPECT_EQ(pulled.data, want.data);
+  }
+}
+
 // A call split over connections: one connection refused quickly while
 // another waited out its deadline is a timed-out attempt, so that the
 // retry loop's cap on timeouts applies; an error no retry cures wins.
@@ -857,25 +902,34 @@ TEST_F(RawPushTest, BadPushesReturnPreciseStatusAndChangeNothing) {
 }
 
 TEST_F(RawPushTest, OversizedChunksAreRefused) {
-  // 80 KiB of data in one segment > the server's 64 KiB --max_chunk_bytes.
+  // A client that has neither registered nor waited for the variables has
+  // not asked the shard for its limit (as one whose shard was restarted
+  // since with a smaller limit): its 80 KiB segments are more than the
+  // shard's 64 KiB --max_chunk_bytes.
   const std::vector<VariableSpec> big = {{"big", {20480}}};
+  ASSERT_TRUE(Client(big, /*chunk=*/16 * 1024)->Register(Make(big, 0).cptrs()).ok());
   auto client = Client(big, /*chunk=*/80 * 1024);
-  Tensors init = Make(big, 0);
-  absl::Status status = client->Register(init.cptrs()).status();
+  absl::Status status = client->Push(Make(big, 1).cptrs(), {});
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   // It names the flags to set, on both ends, for a worker whose chunks are
   // larger than the shard's.
   EXPECT_THAT(status.message(),
               HasSubstr("at most 65536 per segment (ps_server --max_chunk_bytes): send smaller "
                         "segments (psflow's worker: --max_chunk_bytes"));
+  Tensors values = Make(big, -1);
+  ASSERT_TRUE(client->Pull(values.ptrs()).ok());
+  EXPECT_THAT(values.data[0], ::testing::Each(0.0f)) << "a refused push changed values";
   // Beyond the shard's receive limit (its chunk + 1 MiB), gRPC refuses the
   // message itself, naming no setting; the client names the two.
   const std::vector<VariableSpec> huge_var = {{"huge", {600 * 1024}}};
+  ASSERT_TRUE(Client(huge_var, /*chunk=*/16 * 1024)->Register(Make(huge_var, 0).cptrs()).ok());
   auto huge_client = Client(huge_var, /*chunk=*/4 << 20);
-  status = huge_client->Register(Make(huge_var, 0).cptrs()).status();
+  status = huge_client->Push(Make(huge_var, 1).cptrs(), {});
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
-  EXPECT_THAT(status.message(), HasSubstr("(worker --max_chunk_bytes), which must be no more than "
-                                          "the shard's ps_server --max_chunk_bytes"));
+  EXPECT_THAT(status.message(),
+              HasSubstr("this client sends up to 4194304 bytes of tensor data per message, the "
+                        "smaller of its own limit (worker --max_chunk_bytes) and the shard's "
+                        "ps_server --max_chunk_bytes"));
   // The same message sent raw.
   PushRequest m;
   AddSegment(&m, "w", 0, std::vector<float>(600 * 1024, 1.0f));
