@@ -71,10 +71,17 @@ ps_launch=("${launch[@]}")
 [ -z "$PS_NETNS" ] || ps_launch+=(ip netns exec "$PS_NETNS")
 
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+# A range from 20000 up to the kernel's ephemeral ports (32768 by default),
+# which it hands to outgoing connections and to servers asking for any free
+# port (as tests do): a port taken from there after the check below would
+# keep a shard from listening, or put another program's server on it.
 pick_base() {
-  local base
+  local base eph_lo first=20000
+  read -r eph_lo _ < /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || eph_lo=32768
+  local slots=$(( (eph_lo - NUM_PS - NUM_WORKERS - first) / 10 ))
+  [ "$slots" -ge 10 ] || slots=2000  # an odd range: take the old chances
   for _ in $(seq 50); do
-    base=$(( 20000 + (RANDOM % 2000) * 10 ))
+    base=$(( first + (RANDOM % slots) * 10 ))
     local ok=1
     for i in $(seq 0 $((NUM_PS + NUM_WORKERS))); do port_free $((base + i)) || { ok=0; break; }; done
     [ $ok = 1 ] && { echo $base; return; }

@@ -20,10 +20,12 @@ expect() {
   if [ "$4" != "$2" ]; then fail "$1: exit code $4, expected $2"; cat "$5" >&2; fi
   grep -qF -- "$3" "$5" || { fail "$1: output lacks \"$3\""; cat "$5" >&2; }
 }
-# waits up to $2 seconds for $1 processes whose command line holds $3
+# waits up to $2 seconds for $1 worker processes whose command line holds
+# $3: the worker binary itself, not setpriv about to start it (which may not
+# have set its parent-death signal yet)
 wait_for_processes() {
   for _ in $(seq $(($2 * 10))); do
-    [ "$(pgrep -fc -- "$3")" -ge "$1" ] && return 0
+    [ "$(pgrep -fc -- "^$BUILD_DIR/worker/worker .*$3")" -ge "$1" ] && return 0
     sleep 0.1
   done
   return 1
