@@ -560,6 +560,11 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   std::vector<const float*> init(workers[0].vp.begin(), workers[0].vp.end());
   absl::Status st = client->Register(init).status();
   if (!st.ok()) Die(std::string(st.message()));
+  // The others learn what the shards accept, as a worker does.
+  for (int w = 1; w < num_clients; ++w) {
+    st = workers[w].client->WaitForVariables(absl::Seconds(60));
+    if (!st.ok()) Die(std::string(st.message()));
+  }
   // Runs op(worker) on every worker at once; returns when all are done.
   auto all = [&](auto op) {
     std::vector<std::thread> threads;

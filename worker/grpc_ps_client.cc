@@ -236,7 +236,8 @@ class GrpcPsClient final : public PsClient {
   // call uses the plan while it changes.
   void FitMessagesToShard(int s, const StatusResponse& status) {
     int64_t chunk = options_.max_chunk_bytes;
-    if (status.max_chunk_bytes() > 0) {  // 0: a shard that does not say
+    shards_[s].told_chunk_limit = status.max_chunk_bytes() > 0;  // 0: a shard that does not say
+    if (shards_[s].told_chunk_limit) {
       chunk = std::min(chunk, std::max<int64_t>(4, status.max_chunk_bytes() / 4 * 4));
     }
     if (chunk != shards_[s].chunk_bytes) PlanShardMessages(s, chunk);
@@ -290,13 +291,13 @@ class GrpcPsClient final : public PsClient {
     std::vector<RegisterResponse> responses(plan_.num_shards());
     std::atomic<bool> retried{false};
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      int attempts = 0;
+      int sent = 0;  // registrations sent to the shard
       return RetryCall(options_.retry, [&] {
-        if (++attempts > 1) retried = true;
         // How large a message the shard takes, before sending it any.
         StatusResponse status;
         PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &status));
         FitMessagesToShard(s, status);
+        if (++sent > 1) retried = true;
         return RegisterOnce(s, initial_values, &responses[s]);
       });
     }));
@@ -509,6 +510,7 @@ class GrpcPsClient final : public PsClient {
     // chunk_bytes is the client's max_chunk_bytes, or the shard's where
     // that is smaller (FitMessagesToShard).
     int64_t chunk_bytes = 0;
+    bool told_chunk_limit = false;  // the shard reported its limit
     std::vector<std::vector<SegmentRef>> messages;
   };
 
@@ -681,12 +683,17 @@ class GrpcPsClient final : public PsClient {
         !absl::StrContains(status.message(), "larger than max")) {
       return status;
     }
+    const Shard& shard = shards_[s];
     return absl::ResourceExhaustedError(absl::StrCat(
-        status.message(), "; this client sends up to ", shards_[s].chunk_bytes,
-        " bytes of tensor data per message, the smaller of its own limit (worker "
-        "--max_chunk_bytes) and the shard's ps_server --max_chunk_bytes as it was when the "
-        "client registered or waited for the variables (was the shard restarted with a smaller "
-        "one?)"));
+        status.message(), "; this client sends up to ", shard.chunk_bytes,
+        " bytes of tensor data per message",
+        shard.told_chunk_limit
+            ? ", the smaller of its own limit (worker --max_chunk_bytes) and the shard's "
+              "ps_server --max_chunk_bytes as the shard reported it when the client registered "
+              "or waited for the variables (was the shard restarted since with a smaller one?)"
+            : " (worker --max_chunk_bytes), more than the shard's ps_server --max_chunk_bytes; "
+              "a client fits its messages to the shard's limit when it registers or waits for "
+              "the variables"));
   }
 
   // rpc_timeout from now, or `cap` if sooner.
