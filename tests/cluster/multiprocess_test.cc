@@ -51,8 +51,11 @@ class MultiProcessTest : public ProcessTest {
   // Starts a shard on a free loopback port, logging to `log`, and sets
   // `address` to where it listens; returns its pid, or 0 if it did not
   // start listening.
-  pid_t StartLoopbackShard(const std::string& log, std::string* address) {
-    const pid_t pid = Start({PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"}, "", log);
+  pid_t StartLoopbackShard(const std::string& log, std::string* address,
+                           const std::vector<std::string>& flags = {}) {
+    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const pid_t pid = Start(argv, "", log);
     if (pid <= 0 || !WaitForText(log, "listening on", pid, std::chrono::seconds(20))) return 0;
     const std::string text = ReadFile(log);
     const size_t at = text.find("listening on 127.0.0.1:") + std::strlen("listening on ");
@@ -361,6 +364,23 @@ TEST_F(MultiProcessTest, ShardStopsAtOnceAfterItsLastClientLeft) {
   // Well within the 5 s a call in flight would be given.
   EXPECT_EQ(Reap(pid, std::chrono::seconds(3)), 0) << ReadFile(log);
   EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("stopped after 2 pushes"));
+}
+
+// A worker sending 1 MiB messages (its default) trains against a shard that
+// takes 64 KiB: it asks the shard's limit before registering and sends no
+// more (the registration was refused before).
+TEST_F(MultiProcessTest, WorkerFitsItsMessagesToTheShardsLimit) {
+  const std::string log = dir_ + "/ps.log";
+  std::string address;
+  const pid_t pid = StartLoopbackShard(log, &address, {"--max_chunk_bytes=65536"});
+  ASSERT_GT(pid, 0) << ReadFile(log);
+  const auto [code, out] =
+      RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=" + address, "--worker_hosts=127.0.0.1:1",
+                "--train_steps=2", "--epochs=1", "--threads=1"});
+  EXPECT_EQ(code, 0) << out;
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+  EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("stopped after 2 pushes (0 rejected"));
 }
 
 // A second shard given the unix socket of a running one fails, naming it:
