@@ -51,6 +51,12 @@ class MultiProcessTest : public ProcessTest {
   // Starts a shard on a free loopback port, logging to `log`, and sets
   // `address` to where it listens; returns its pid, or 0 if it did not
   // start listening.
+  // The worker binary, alone, trains 2 steps against the shard at `address`.
+  std::pair<int, std::string> TrainTwoSteps(const std::string& address) {
+    return RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=" + address, "--worker_hosts=127.0.0.1:1",
+                     "--train_steps=2", "--epochs=1", "--threads=1"});
+  }
+
   pid_t StartLoopbackShard(const std::string& log, std::string* address,
                            const std::vector<std::string>& flags = {}) {
     std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0"};
@@ -356,9 +362,7 @@ TEST_F(MultiProcessTest, ShardStopsAtOnceAfterItsLastClientLeft) {
   std::string address;
   const pid_t pid = StartLoopbackShard(log, &address);
   ASSERT_GT(pid, 0) << ReadFile(log);
-  const auto [code, out] =
-      RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=" + address, "--worker_hosts=127.0.0.1:1",
-                "--train_steps=2", "--epochs=1", "--threads=1"});
+  const auto [code, out] = TrainTwoSteps(address);
   ASSERT_EQ(code, 0) << out;
   ::kill(pid, SIGTERM);
   // Well within the 5 s a call in flight would be given.
@@ -374,9 +378,7 @@ TEST_F(MultiProcessTest, WorkerFitsItsMessagesToTheShardsLimit) {
   std::string address;
   const pid_t pid = StartLoopbackShard(log, &address, {"--max_chunk_bytes=65536"});
   ASSERT_GT(pid, 0) << ReadFile(log);
-  const auto [code, out] =
-      RunToEnd({PSFLOW_WORKER_BIN, "--ps_hosts=" + address, "--worker_hosts=127.0.0.1:1",
-                "--train_steps=2", "--epochs=1", "--threads=1"});
+  const auto [code, out] = TrainTwoSteps(address);
   EXPECT_EQ(code, 0) << out;
   ::kill(pid, SIGTERM);
   EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
