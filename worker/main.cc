@@ -228,10 +228,10 @@ int main(int argc, char** argv) {
     // its backend checks); the batches the data pipeline assembles ahead.
     const double gib = 1 << 30;
     const double weights = static_cast<double>(parameters) * 4 * 6;
-    const double activations =
-        (*backend)->ActivationsInHostMemory()
-            ? static_cast<double>(ActivationsPerExample(*model)) * batch_size * 4 * 2
-            : 0;
+    const int64_t per_example = ActivationsPerExample(*model);
+    const double activations = (*backend)->ActivationsInHostMemory()
+                                   ? static_cast<double>(per_example) * batch_size * 4 * 2
+                                   : 0;
     const double batches = static_cast<double>(data->train.example_size()) * batch_size * 4 *
                            (BatcherOptions().prefetch + 1);
     const double need = weights + activations + batches;
@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
           "process may use %.1f GiB (the machine's memory, or its cgroup's limit where lower)",
           absl::GetFlag(FLAGS_model), batch_size, data->train.height, data->train.width,
           data->train.channels, need / gib, weights / gib, parameters, activations / gib,
-          ActivationsPerExample(*model), batches / gib, have / gib)));
+          per_example, batches / gib, have / gib)));
     }
   }
   if (absl::Status s = (*backend)->Prepare(*model, batch_size); !s.ok()) return Fail(s);
