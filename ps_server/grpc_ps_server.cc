@@ -911,10 +911,15 @@ class PsServer::Service final : public grpc::Service {
     int64_t chunk_bytes = request.max_chunk_bytes() > 0 ? request.max_chunk_bytes()
                                                         : kDefaultPullChunkBytes;
     chunk_bytes = std::max<int64_t>(4, std::min(chunk_bytes, store_->options().max_chunk_bytes));
-    const int64_t chunk_elements = chunk_bytes / 4;
 
-    // Each message: runs of (variable, offset, count), at most chunk_elements
-    // in all, taken from the spans in order; empty spans send nothing.
+    // Each message: runs of (variable, offset, count) taken from the spans
+    // in order (empty spans send nothing), as many as fit in chunk_bytes
+    // with their framing: a segment's prefix (tag, length, name, offset,
+    // the data's tag and length), its version (at most 10 bytes) and the
+    // versions field's tag and length (at most 6). A message carries at
+    // least one element, so a budget smaller than one segment's framing
+    // gives one-element messages a little over it.
+    constexpr int64_t kVersionsFieldBytes = 6, kVersionBytes = 10;
     struct Piece {
       absl::string_view variable;
       int64_t offset, count;
@@ -941,13 +946,21 @@ class PsServer::Service final : public grpc::Service {
       // prefixes and small pieces are copied into one pooled buffer.
       pieces.clear();
       size_t copied = 0;
-      for (int64_t in_msg = 0; have && in_msg < chunk_elements;) {
-        const int64_t take = std::min(span.end - at, chunk_elements - in_msg);
+      for (int64_t message_bytes = kVersionsFieldBytes; have;) {
+        const int64_t left = span.end - at;
+        // The prefix grows with the data's length, so the longest this
+        // segment could be gives an upper bound.
+        const int64_t framing =
+            wire::SegmentPrefixSize(1, span.variable, at, std::min(left * 4, chunk_bytes)) +
+            kVersionBytes;
+        const int64_t room = (chunk_bytes - message_bytes - framing) / 4;
+        if (room < 1 && !pieces.empty()) break;
+        const int64_t take = std::min(left, std::max<int64_t>(1, room));
         pieces.push_back({span.variable, at, take});
         copied += wire::SegmentPrefixSize(1, span.variable, at, take * 4) +
                   (take * 4 >= kPinnedPieceBytes ? 0 : take * 4);
         at += take;
-        in_msg += take;
+        message_bytes += framing + take * 4;
         PSFLOW_RETURN_IF_ERROR(skip_sent());
       }
       BufferPool::Buffer* buf = pool_->Get(copied);

@@ -1292,7 +1292,7 @@ TEST_F(PsClusterTest, PullOfRangesReadsThemAndRefusesBadOnes) {
       r->set_offset(offset);
       r->set_count(count);
     }
-    request.set_max_chunk_bytes(12);  // 3 values per message
+    request.set_max_chunk_bytes(12);  // under one segment's framing: a value per message
     auto reader = stub->Pull(&context, request);
     PullResponse msg;
     while (reader->Read(&msg)) {
@@ -1318,6 +1318,71 @@ TEST_F(PsClusterTest, PullOfRangesReadsThemAndRefusesBadOnes) {
   EXPECT_TRUE(got.empty());
   EXPECT_EQ(pull({{-1, 2}}, &got).error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_EQ(pull({{-1, -1}}, &got).error_code(), grpc::NOT_FOUND);  // "ghost"
+}
+
+// A Pull's answers weigh at most the max_chunk_bytes asked for, framing
+// included: a client with gRPC's default 4 MiB receive limit may ask for
+// 4 MiB, and a pull of many tiny ranges gets no larger messages than a pull
+// of whole parts. (The budget used to count data only: the first answer
+// below was 4 MiB and some 50 bytes, and the tiny ranges' about 30 KB.)
+TEST_F(PsClusterTest, PullAnswersFitTheSizeAskedForFramingIncluded) {
+  StartCluster(1, SgdLr1());
+  constexpr int64_t kElements = 3 << 20;  // 12 MiB: three answers of 4 MiB
+  const std::string name = "a/rather/long/variable/name/kernel";
+  const std::vector<VariableSpec> vars = {{name, {kElements}}};
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  Tensors init = Make(vars, 0.0f);
+  for (int64_t i = 0; i < kElements; ++i) init.data[0][i] = static_cast<float>(i);
+  ASSERT_TRUE(client->Register(init.cptrs()).ok());
+  auto stub = Stub(0);  // gRPC's default limits
+  // Reads every answer, checks its size and its values against `init`, and
+  // returns how many there were and the elements they carried.
+  auto pull = [&](const PullRequest& request, int64_t* answers, int64_t* elements) -> grpc::Status {
+    grpc::ClientContext context;
+    auto reader = stub->Pull(&context, request);
+    PullResponse msg;
+    *answers = *elements = 0;
+    while (reader->Read(&msg)) {
+      ++*answers;
+      EXPECT_LE(static_cast<int64_t>(msg.ByteSizeLong()), request.max_chunk_bytes())
+          << "answer " << *answers;
+      for (const Segment& seg : msg.segments()) {
+        const int64_t n = static_cast<int64_t>(seg.data().size() / 4);
+        EXPECT_LE(seg.offset() + n, kElements);
+        if (seg.offset() + n > kElements) continue;
+        EXPECT_EQ(std::memcmp(seg.data().data(), &init.data[0][seg.offset()], n * 4), 0)
+            << "values at " << seg.offset();
+        *elements += n;
+      }
+    }
+    return reader->Finish();
+  };
+
+  PullRequest whole;
+  whole.add_variables(name);
+  whole.set_max_chunk_bytes(4 << 20);
+  int64_t answers = 0, elements = 0;
+  grpc::Status status = pull(whole, &answers, &elements);
+  ASSERT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+  EXPECT_EQ(elements, kElements);
+  EXPECT_EQ(answers, 4);  // 3 x 4 MiB of data, less the framing
+
+  // 5,000 one-element ranges, every other element: some 50 bytes of
+  // framing each, 4 of data.
+  PullRequest tiny;
+  for (int64_t i = 0; i < 5000; ++i) {
+    PullRange* range = tiny.add_ranges();
+    range->set_variable(name);
+    range->set_offset(2 * i);
+    range->set_count(1);
+  }
+  tiny.set_max_chunk_bytes(4096);
+  status = pull(tiny, &answers, &elements);
+  ASSERT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+  EXPECT_EQ(elements, 5000);
+  // Not cut much finer than the budget either: half of it or more each.
+  EXPECT_LE(answers, 2 * (5000 * 50 / 4096 + 1));
 }
 
 // The client retries UNAVAILABLE with backoff: a server that comes up late
@@ -1943,29 +2008,31 @@ TEST_F(PsClusterTest, PullTheClientHasNotReadKeepsTheValuesItNamed) {
   EXPECT_GT((*status)[0].stripes_copied_on_write(), 0);
 
   int messages = 0;
-  int64_t last_version = 0;
+  int64_t last_version = 0, elements = 0;
   do {
     ++messages;
-    ASSERT_EQ(msg.segments_size(), 1);
-    ASSERT_EQ(msg.versions_size(), 1);
-    const std::string& data = msg.segments(0).data();
-    ASSERT_EQ(data.size(), kElements * 4u);
-    std::vector<float> values(kElements);
-    std::memcpy(values.data(), data.data(), data.size());
-    // A push counts its version when it begins, then writes the values run
-    // by run as they arrive (a pull may come in between): every value of a
-    // message is that of the version it names or of the one before.
-    const int64_t version = msg.versions(0);
-    EXPECT_GE(version, last_version);
-    last_version = version;
-    const int64_t other = std::count_if(values.begin(), values.end(), [&](float x) {
-      return x != -1.0f * version && x != -1.0f * (version - 1);
-    });
-    ASSERT_EQ(other, 0) << "message " << messages << " names version " << version << " but holds "
-                        << values[0] << " ... " << values.back();
+    ASSERT_EQ(msg.versions_size(), msg.segments_size());
+    for (int i = 0; i < msg.segments_size(); ++i) {
+      const std::string& data = msg.segments(i).data();
+      std::vector<float> values(data.size() / 4);
+      std::memcpy(values.data(), data.data(), values.size() * 4);
+      elements += static_cast<int64_t>(values.size());
+      // A push counts its version when it begins, then writes the values
+      // run by run as they arrive (a pull may come in between): every value
+      // of a segment is that of the version it names or of the one before.
+      const int64_t version = msg.versions(i);
+      EXPECT_GE(version, last_version);
+      last_version = version;
+      const int64_t other = std::count_if(values.begin(), values.end(), [&](float x) {
+        return x != -1.0f * version && x != -1.0f * (version - 1);
+      });
+      ASSERT_EQ(other, 0) << "message " << messages << " names version " << version << " but holds "
+                          << values[0] << " ... " << values.back();
+    }
   } while (reader->Read(&msg));
   EXPECT_TRUE(reader->Finish().ok());
-  EXPECT_EQ(messages, 64);
+  EXPECT_EQ(elements, 64 * kElements);
+  EXPECT_GE(messages, 64);  // 1 MiB of data each, less the framing
   EXPECT_EQ(last_version, kPushes);
 
   Tensors now = Make(vars, 9.0f);
