@@ -44,6 +44,9 @@ constexpr int64_t kDefaultPullChunkBytes = 1 << 20;
 // themselves (VariableStore::Pin) instead of a copy: below it the copy
 // costs less than a slice of its own.
 constexpr int64_t kPinnedPieceBytes = 64 << 10;
+// The most part definitions (in wire bytes) one registration's header may
+// hold over all its messages: about a million parts.
+constexpr int64_t kMaxRegisterHeaderBytes = 64 << 20;
 
 absl::Status SegmentSize(const Segment& segment, int64_t* count) {
   if (segment.data().size() % 4 != 0) {
@@ -560,13 +563,47 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError(
           "RegisterVariables: the first message must carry the header");
     }
-    const RegisterHeader& h = msg.header();
+    // The header may go on in the messages that follow, as long as they
+    // carry a header and no values came before: their parts are added to
+    // the first's (a client sends a header of many thousand parts so).
+    RegisterHeader h = std::move(*msg.mutable_header());
+    msg.clear_header();
     std::vector<PartDefinition> parts;
     for (const PartDef& def : h.parts()) parts.push_back(FromProto(def));
+    int64_t header_bytes = static_cast<int64_t>(h.ByteSizeLong());
+    got = true;
+    while (msg.segments().empty()) {
+      PSFLOW_ASSIGN_OR_RETURN(got, ReadRegister(reader, ++index, &msg));
+      if (!got || !msg.has_header()) break;
+      const RegisterHeader& more = msg.header();
+      if (more.plan_fingerprint() != h.plan_fingerprint() || more.num_shards() != h.num_shards() ||
+          more.shard_index() != h.shard_index()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "RegisterVariables: message ", index, "'s header is for plan ", more.plan_fingerprint(),
+            ", shard ", more.shard_index(), " of ", more.num_shards(),
+            "; the first message's was for plan ", h.plan_fingerprint(), ", shard ",
+            h.shard_index(), " of ", h.num_shards(), " (a header that goes on must repeat them)"));
+      }
+      header_bytes += static_cast<int64_t>(more.ByteSizeLong());
+      if (header_bytes > kMaxRegisterHeaderBytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "RegisterVariables: the header goes on past ", kMaxRegisterHeaderBytes,
+            " bytes (message ", index, ", ", parts.size() + more.parts_size(),
+            " parts so far); a shard takes at most that much of part definitions at once"));
+      }
+      for (const PartDef& def : more.parts()) parts.push_back(FromProto(def));
+      msg.clear_header();
+    }
     PSFLOW_ASSIGN_OR_RETURN(auto registration,
                             store_->BeginRegistration(h.plan_fingerprint(), h.num_shards(),
                                                       h.shard_index(), std::move(parts)));
-    do {
+    while (got) {
+      if (msg.has_header()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "RegisterVariables: message ", index,
+            " carries a header after the initial values began; a header goes only in the "
+            "messages before the first values"));
+      }
       for (const Segment& segment : msg.segments()) {
         int64_t count = 0;
         PSFLOW_RETURN_IF_ERROR(SegmentSize(segment, &count));
@@ -575,7 +612,7 @@ class PsServer::Service final : public grpc::Service {
         bytes_received_ += static_cast<int64_t>(segment.data().size());
       }
       PSFLOW_ASSIGN_OR_RETURN(got, ReadRegister(reader, ++index, &msg));
-    } while (got);
+    }
     if (context->IsCancelled()) {
       return absl::CancelledError("RegisterVariables: the client went away; nothing registered");
     }

@@ -84,8 +84,9 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "grpc.http2.min_ping_interval_without_data_ms=10000, the least time between the "
           "clients' pings).");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
-          "Largest tensor data accepted in one stream message, and the largest sent in a Pull "
-          "(4 bytes to 1 GiB).");
+          "Largest tensor data accepted in one segment of a stream message (a message may add "
+          "1 MiB of framing), and the largest Pull answer sent, framing included (4 bytes to "
+          "1 GiB).");
 ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "Most bytes of parameters and optimizer slots this shard holds; a registration "
           "beyond it is refused with RESOURCE_EXHAUSTED before anything is allocated (0 = the "

@@ -30,6 +30,15 @@
 namespace psflow::worker {
 namespace {
 
+// A registration header up to this size travels with the first values;
+// a larger one is sent alone, in pieces of at most kHeaderPieceBytes
+// (both well within the 1 MiB a shard accepts beyond --max_chunk_bytes,
+// which a message's segment framing also uses).
+constexpr size_t kHeaderWithValuesBytes = 256 << 10;
+constexpr size_t kHeaderPieceBytes = 512 << 10;
+// A pull request names at most about this much (BuildPullRequest).
+constexpr size_t kPullRequestBytes = 512 << 10;
+
 void AppendVarint(std::string* out, uint64_t v) {
   while (v >= 0x80) {
     out->push_back(static_cast<char>(v | 0x80));
@@ -220,8 +229,8 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Cuts shard s's registration and push into messages of at most
-  // `chunk_bytes` of data each, and its pulls over several connections
-  // into the same shares.
+  // `chunk_bytes` each, framing included, and its pulls over several
+  // connections into the same shares.
   void PlanShardMessages(int s, int64_t chunk_bytes) {
     Shard& shard = shards_[s];
     shard.chunk_bytes = chunk_bytes;
@@ -244,21 +253,34 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Connection k's pull of shard s: every part on one connection, else the
-  // elements of its share of the shard's messages, as ranges.
+  // elements of its share of the shard's messages, as ranges. A share that
+  // names more than kPullRequestBytes' worth (some thousands of parts) is
+  // asked for in several requests, one after another, as a shard takes a
+  // request of at most 1 MiB beyond its --max_chunk_bytes.
   void BuildPullRequest(int s, int k) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
-    PullRequest& request = conn.pull_request;
-    request.Clear();
+    conn.pull_requests.clear();
     conn.pull_elements = 0;
-    request.set_worker_id(options_.worker_id);
-    request.set_max_chunk_bytes(shard.chunk_bytes);
+    size_t bytes = 0;  // in the last request
+    // The request to add an entry of about `entry_bytes` to.
+    auto request_for = [&](size_t entry_bytes) -> PullRequest& {
+      if (conn.pull_requests.empty() || (bytes > 0 && bytes + entry_bytes > kPullRequestBytes)) {
+        PullRequest& request = conn.pull_requests.emplace_back();
+        request.set_worker_id(options_.worker_id);
+        request.set_max_chunk_bytes(shard.chunk_bytes);
+        bytes = 0;
+      }
+      bytes += entry_bytes;
+      return conn.pull_requests.back();
+    };
     if (NumStreams(s) == 1) {
       // Every part by name (not the empty list, which means all the shard
       // holds): a shard that lost a part answers NOT_FOUND naming it, and
       // the parts of another model on the same shard are not sent.
       for (int p : shard.parts) {
-        request.add_variables(plan_.variables()[plan_.parts()[p].variable_index].name);
+        const std::string& name = plan_.variables()[plan_.parts()[p].variable_index].name;
+        request_for(name.size() + 6).add_variables(name);
       }
       conn.pull_elements = ShardElements(s);
       return;
@@ -267,14 +289,15 @@ class GrpcPsClient final : public PsClient {
     for (size_t i = begin; i < end; ++i) {
       for (const SegmentRef& seg : shard.messages[i]) {
         const std::string& name = plan_.variables()[plan_.parts()[seg.part].variable_index].name;
-        PullRange* last = request.ranges().empty()
+        PullRange* last = conn.pull_requests.empty() || conn.pull_requests.back().ranges().empty()
                               ? nullptr
-                              : request.mutable_ranges(request.ranges_size() - 1);
+                              : conn.pull_requests.back().mutable_ranges(
+                                    conn.pull_requests.back().ranges_size() - 1);
         if (last != nullptr && last->variable() == name &&
             last->offset() + last->count() == seg.offset) {
           last->set_count(last->count() + seg.count);  // the same part, continued
         } else {
-          PullRange* range = request.add_ranges();
+          PullRange* range = request_for(name.size() + 34).add_ranges();
           range->set_variable(name);
           range->set_offset(seg.offset);
           range->set_count(seg.count);
@@ -485,8 +508,9 @@ class GrpcPsClient final : public PsClient {
     PullBuffers push_pull_in;  // reused across calls
     PullBuffers pull_in;
     // This connection's share of a pull (built once: no allocation per
-    // pull) and the elements it brings.
-    PullRequest pull_request;
+    // pull; one request, or more for a share of many thousand parts) and
+    // the elements it brings.
+    std::vector<PullRequest> pull_requests;
     int64_t pull_elements = 0;
   };
 
@@ -504,9 +528,10 @@ class GrpcPsClient final : public PsClient {
     std::vector<Connection> conns;                 // streams_per_shard of them
     std::vector<int> parts;                        // indices into plan_.parts()
     absl::flat_hash_map<std::string, int> by_name;  // variable name -> part index
-    // The shard's stream messages (registration, push): chunk_bytes of
-    // data each, big parts spanning messages and small ones sharing one. A
-    // push or pull over several connections gives each a contiguous share.
+    // The shard's stream messages (registration, push): at most
+    // chunk_bytes each, framing included (PlanMessages), big parts spanning
+    // messages and small ones sharing one. A push or pull over several
+    // connections gives each a contiguous share.
     // chunk_bytes is the client's max_chunk_bytes, or the shard's where
     // that is smaller (FitMessagesToShard).
     int64_t chunk_bytes = 0;
@@ -514,25 +539,39 @@ class GrpcPsClient final : public PsClient {
     std::vector<std::vector<SegmentRef>> messages;
   };
 
+  // Messages of at most chunk_bytes, framing included: each segment's
+  // prefix (tag, length, name, offset, the data's tag and length) counts
+  // with its data, and every message keeps room for a push header. So a
+  // model of many tiny variables is not sent in messages several times
+  // chunk_bytes, past the shard's receive limit. A message holds at least
+  // one element (chunk_bytes is at least 4).
   std::vector<std::vector<SegmentRef>> PlanMessages(const std::vector<int>& parts,
                                                     int64_t chunk_bytes) const {
-    const int64_t chunk = std::max<int64_t>(1, chunk_bytes / 4);
+    constexpr int64_t kPushHeaderRoom = 48;  // PushRequest.header at its longest
     std::vector<std::vector<SegmentRef>> messages(1);
-    int64_t in_msg = 0;
+    int64_t used = kPushHeaderRoom;
     for (int p : parts) {
-      const int64_t n = plan_.parts()[p].num_elements();
+      const Part& part = plan_.parts()[p];
+      const std::string& name = plan_.variables()[part.variable_index].name;
+      const int64_t n = part.num_elements();
       for (int64_t offset = 0; offset < n;) {
-        const int64_t take = std::min(n - offset, chunk - in_msg);
+        const int64_t left = n - offset;
+        // The prefix grows with the data's length: the longest this
+        // segment could be bounds it.
+        const int64_t framing = static_cast<int64_t>(
+            wire::SegmentPrefixSize(2, name, offset, std::min(left * 4, chunk_bytes)));
+        const int64_t room = (chunk_bytes - used - framing) / 4;
+        if (room < 1 && !messages.back().empty()) {
+          messages.emplace_back();
+          used = kPushHeaderRoom;
+          continue;
+        }
+        const int64_t take = std::min(left, std::max<int64_t>(1, room));
         messages.back().push_back({p, offset, take});
         offset += take;
-        in_msg += take;
-        if (in_msg >= chunk) {
-          messages.emplace_back();
-          in_msg = 0;
-        }
+        used += framing + take * 4;
       }
     }
-    if (messages.back().empty() && messages.size() > 1) messages.pop_back();
     return messages;
   }
 
@@ -721,8 +760,35 @@ class GrpcPsClient final : public PsClient {
       def->set_row_begin(part.row_begin);
       def->set_row_end(part.row_end);
     }
-    // The initial values in the messages a push would use (the header in
-    // the first).
+    // A small header travels with the first message's values, within the
+    // 1 MiB a shard accepts beyond its --max_chunk_bytes. A larger one (some
+    // thousands of parts) is sent first, alone, over as many messages as
+    // it takes, each a piece of the part list within that 1 MiB.
+    if (header->ByteSizeLong() > kHeaderWithValuesBytes) {
+      RegisterRequest piece;
+      *piece.mutable_header() = *header;
+      piece.mutable_header()->clear_parts();
+      const size_t bare = piece.ByteSizeLong();
+      size_t bytes = bare;
+      bool ok = true;
+      for (const PartDef& def : header->parts()) {
+        const size_t def_bytes = def.ByteSizeLong() + 8;  // with its tag and length
+        if (piece.header().parts_size() > 0 && bytes + def_bytes > kHeaderPieceBytes) {
+          if (!(ok = writer->Write(piece))) break;
+          piece.mutable_header()->clear_parts();
+          bytes = bare;
+        }
+        *piece.mutable_header()->add_parts() = def;
+        bytes += def_bytes;
+      }
+      if (ok) ok = writer->Write(piece);
+      msg.clear_header();
+      if (!ok) {
+        writer->WritesDone();
+        return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
+      }
+    }
+    // The initial values in the messages a push would use.
     for (const std::vector<SegmentRef>& message : shard.messages) {
       for (const SegmentRef& seg : message) {
         const Part& part = plan_.parts()[seg.part];
@@ -875,26 +941,36 @@ class GrpcPsClient final : public PsClient {
     return held;
   }
 
-  // Connection k's pull of shard s (see BuildPullRequest).
+  // Connection k's pull of shard s (see BuildPullRequest): its requests,
+  // one after another.
   absl::Status PullOnce(int s, int k, absl::Time deadline, absl::Span<float* const> values,
                         PullResult* result) {
     Shard& shard = shards_[s];
     Connection& conn = shard.conns[k];
-    grpc::ClientContext context;
-    SetDeadline(&context, deadline);
-    // What the generated stub does, reading raw ByteBuffers: each segment's
-    // data is copied once, from gRPC's slices straight into the tensor.
-    std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
-        grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
-            conn.channel.get(), *conn.pull_method, &context, conn.pull_request));
     int64_t received = 0;
-    absl::Status bad = ReadValues(s, reader.get(), &conn.pull_in, values, result, &received);
-    if (!bad.ok()) {
-      context.TryCancel();
-      reader->Finish();
-      return bad;
+    PullResult later;  // a later request's versions, folded into *result
+    for (size_t r = 0; r < conn.pull_requests.size(); ++r) {
+      grpc::ClientContext context;
+      SetDeadline(&context, deadline);
+      // What the generated stub does, reading raw ByteBuffers: each
+      // segment's data is copied once, from gRPC's slices straight into the
+      // tensor.
+      std::unique_ptr<grpc::ClientReader<grpc::ByteBuffer>> reader(
+          grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+              conn.channel.get(), *conn.pull_method, &context, conn.pull_requests[r]));
+      absl::Status bad =
+          ReadValues(s, reader.get(), &conn.pull_in, values, r == 0 ? result : &later, &received);
+      if (!bad.ok()) {
+        context.TryCancel();
+        reader->Finish();
+        return bad;
+      }
+      PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
+      if (r > 0) {
+        result->min_version = std::min(result->min_version, later.min_version);
+        result->max_version = std::max(result->max_version, later.max_version);
+      }
     }
-    PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
     return CheckReceived(s, received, conn.pull_elements);
   }
 

@@ -25,7 +25,8 @@ struct GrpcPsClientOptions {
   std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
   int worker_id = 0;
   int64_t min_split_bytes = 256 * 1024;   // partition plan threshold; same on every process
-  // Data per stream message at most. A shard whose own limit is smaller
+  // Bytes per stream message at most, tensor data and framing (a message
+  // carries one element at least). A shard whose own limit is smaller
   // (its --max_chunk_bytes, in GetStatus) gets messages of that size once
   // the client has registered or waited for the variables.
   int64_t max_chunk_bytes = 1 << 20;

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <thread>
@@ -1226,6 +1227,165 @@ TEST_F(PsClusterTest, WrongShardCountIsRefused) {
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(status.message(), HasSubstr("shard 0 of 1"));
   EXPECT_THAT(status.message(), HasSubstr("shard 0 of 2"));
+}
+
+// A model of many tiny variables: its registration header (20,000 parts,
+// 1.6 MB) is over what a shard with --max_chunk_bytes=64KiB takes in one
+// message (64 KiB + 1 MiB), and so would a message of 64 KiB of data be,
+// one float per segment, if its framing were not counted. The client sends
+// the header over several messages and counts the framing in its budget,
+// so the model registers, pushes and pulls exactly. (Before, the
+// registration was RESOURCE_EXHAUSTED.)
+TEST_F(PsClusterTest, ModelOfManyTinyVariablesFitsTheShardsMessages) {
+  StartCluster(1, SgdLr1(), 64 << 10);
+  std::vector<VariableSpec> vars;
+  for (int i = 0; i < 20000; ++i) {
+    vars.push_back({absl::StrCat("tower_0/block_", i / 100, "/layer_", i % 100,
+                                 "/batch_normalization/moving_variance"),
+                    {1}});
+  }
+  vars.push_back({"dense/kernel", {300, 100}});  // and one of several messages
+  auto client = Client(vars);
+  ASSERT_NE(client, nullptr);
+  Tensors init = Make(vars, 0.0f);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < init.data[v].size(); ++i) init.data[v][i] = v + 0.25f * i;
+  }
+  auto registered = client->Register(init.cptrs());
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_EQ(registered->parts_created, 20001);
+  Tensors grad = Make(vars, 0.0f);
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < grad.data[v].size(); ++i) grad.data[v][i] = (v % 7) + 0.5f * i;
+  }
+  ASSERT_TRUE(client->Push(grad.cptrs(), {1, 0}).ok());
+  Tensors out = Make(vars, -1.0f);
+  auto pulled = client->Pull(out.ptrs());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < out.data[v].size(); ++i) {
+      ASSERT_EQ(out.data[v][i], init.data[v][i] - grad.data[v][i]) << vars[v].name << " at " << i;
+    }
+  }
+  // Over two connections, each asking for its share as ranges; and a
+  // PushPull, whose answers mirror its messages.
+  auto two = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1, /*streams=*/2);
+  ASSERT_NE(two, nullptr);
+  ASSERT_TRUE(two->WaitForVariables(absl::Seconds(10)).ok());
+  Tensors out2 = Make(vars, -1.0f);
+  pulled = two->PushPull(grad.cptrs(), {2, 0}, out2.ptrs());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  pulled = two->Pull(out.ptrs());
+  ASSERT_TRUE(pulled.ok()) << pulled.status();
+  for (size_t v = 0; v < vars.size(); ++v) {
+    for (size_t i = 0; i < out.data[v].size(); ++i) {
+      const float want = init.data[v][i] - grad.data[v][i] - grad.data[v][i];
+      ASSERT_EQ(out.data[v][i], want) << vars[v].name << " at " << i;
+      ASSERT_EQ(out2.data[v][i], want) << vars[v].name << " at " << i;
+    }
+  }
+}
+
+// A registration's header may go on over the messages that follow, while
+// no values have come; its fingerprint and shard must stay the same, and a
+// header after the values is refused. Neither refusal registers anything.
+TEST_F(PsClusterTest, RegistrationHeaderMayGoOnOverSeveralMessages) {
+  StartCluster(1, SgdLr1());
+  auto stub = Stub(0);
+  auto header = [](RegisterRequest* msg, const std::string& name, int64_t n, int shard_index = 0) {
+    auto* h = msg->mutable_header();
+    h->set_plan_fingerprint(7);
+    h->set_num_shards(1);
+    h->set_shard_index(shard_index);
+    auto* part = h->add_parts();
+    part->set_variable(name);
+    part->add_variable_shape(n);
+    part->set_row_end(n);
+  };
+  auto values = [](RegisterRequest* msg, const std::string& name, std::vector<float> v) {
+    Segment* seg = msg->add_segments();
+    seg->set_variable(name);
+    seg->set_data(std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4));
+  };
+  auto send = [&](const std::vector<RegisterRequest>& messages, RegisterResponse* response) {
+    grpc::ClientContext context;
+    auto writer = stub->RegisterVariables(&context, response);
+    for (const RegisterRequest& m : messages) {
+      if (!writer->Write(m)) break;
+    }
+    writer->WritesDone();
+    return writer->Finish();
+  };
+  auto parts_held = [&] {
+    grpc::ClientContext context;
+    StatusResponse st;
+    EXPECT_TRUE(stub->GetStatus(&context, StatusRequest(), &st).ok());
+    return st.parts_size();
+  };
+
+  // Header "a", then header "b" with a's values, then b's values.
+  std::vector<RegisterRequest> ok(3);
+  header(&ok[0], "a", 2);
+  header(&ok[1], "b", 3);
+  values(&ok[1], "a", {1, 2});
+  values(&ok[2], "b", {3, 4, 5});
+  RegisterResponse response;
+  grpc::Status status = send(ok, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.parts_created(), 2);
+  {
+    grpc::ClientContext context;
+    PullRequest request;
+    auto reader = stub->Pull(&context, request);
+    PullResponse msg;
+    std::map<std::string, std::vector<float>> got;
+    while (reader->Read(&msg)) {
+      for (const Segment& seg : msg.segments()) {
+        std::vector<float> v(seg.data().size() / 4);
+        std::memcpy(v.data(), seg.data().data(), seg.data().size());
+        got[seg.variable()] = v;
+      }
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(got["a"], std::vector<float>({1, 2}));
+    EXPECT_EQ(got["b"], std::vector<float>({3, 4, 5}));
+  }
+
+  // The header goes on for another shard.
+  std::vector<RegisterRequest> other_shard(2);
+  header(&other_shard[0], "c", 1);
+  header(&other_shard[1], "d", 1, /*shard_index=*/1);
+  values(&other_shard[1], "c", {1});
+  values(&other_shard[1], "d", {1});
+  status = send(other_shard, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("message 1's header"));
+  EXPECT_THAT(status.error_message(), HasSubstr("shard 1 of 1"));
+  EXPECT_EQ(parts_held(), 2);
+
+  // A header after the values.
+  std::vector<RegisterRequest> late(2);
+  header(&late[0], "c", 1);
+  values(&late[0], "c", {1});
+  header(&late[1], "d", 1);
+  values(&late[1], "d", {1});
+  status = send(late, &response);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(status.error_message(), HasSubstr("message 1 carries a header after"));
+  EXPECT_EQ(parts_held(), 2);
+
+  // A header that never ends: refused once past 64 MiB (1 KB names, 1,000
+  // parts a message).
+  std::vector<RegisterRequest> endless(70);
+  for (int m = 0; m < 70; ++m) {
+    for (int i = 0; i < 1000; ++i) {
+      header(&endless[m], absl::StrCat(std::string(1000, 'x'), "_", m, "_", i), 1);
+    }
+  }
+  status = send(endless, &response);
+  EXPECT_EQ(status.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(status.error_message(), HasSubstr("67108864 bytes"));
+  EXPECT_EQ(parts_held(), 2);
 }
 
 TEST_F(PsClusterTest, BrokenRegistrationRegistersNothing) {
