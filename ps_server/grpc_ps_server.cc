@@ -563,18 +563,27 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError(
           "RegisterVariables: the first message must carry the header");
     }
-    // The header may go on in the messages that follow, as long as they
-    // carry a header and no values came before: their parts are added to
-    // the first's (a client sends a header of many thousand parts so).
+    // The header may go on in the messages that follow, as long as no
+    // values came before: their parts are added to the first's (a client
+    // sends a header of many thousand parts so). All of it counts against
+    // kMaxRegisterHeaderBytes.
     RegisterHeader h = std::move(*msg.mutable_header());
     msg.clear_header();
+    int64_t header_bytes = static_cast<int64_t>(h.ByteSizeLong());
+    auto too_long = [&] {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("RegisterVariables: the header goes on past ", kMaxRegisterHeaderBytes,
+                       " bytes (message ", index,
+                       "); a shard takes at most that much of part definitions at once"));
+    };
+    if (header_bytes > kMaxRegisterHeaderBytes) return too_long();
     std::vector<PartDefinition> parts;
     for (const PartDef& def : h.parts()) parts.push_back(FromProto(def));
-    int64_t header_bytes = static_cast<int64_t>(h.ByteSizeLong());
     got = true;
     while (msg.segments().empty()) {
       PSFLOW_ASSIGN_OR_RETURN(got, ReadRegister(reader, ++index, &msg));
-      if (!got || !msg.has_header()) break;
+      if (!got) break;
+      if (!msg.has_header()) continue;  // values follow, or an empty message
       const RegisterHeader& more = msg.header();
       if (more.plan_fingerprint() != h.plan_fingerprint() || more.num_shards() != h.num_shards() ||
           more.shard_index() != h.shard_index()) {
@@ -585,12 +594,7 @@ class PsServer::Service final : public grpc::Service {
             h.shard_index(), " of ", h.num_shards(), " (a header that goes on must repeat them)"));
       }
       header_bytes += static_cast<int64_t>(more.ByteSizeLong());
-      if (header_bytes > kMaxRegisterHeaderBytes) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "RegisterVariables: the header goes on past ", kMaxRegisterHeaderBytes,
-            " bytes (message ", index, ", ", parts.size() + more.parts_size(),
-            " parts so far); a shard takes at most that much of part definitions at once"));
-      }
+      if (header_bytes > kMaxRegisterHeaderBytes) return too_long();
       for (const PartDef& def : more.parts()) parts.push_back(FromProto(def));
       msg.clear_header();
     }

@@ -1323,12 +1323,12 @@ TEST_F(PsClusterTest, RegistrationHeaderMayGoOnOverSeveralMessages) {
     return st.parts_size();
   };
 
-  // Header "a", then header "b" with a's values, then b's values.
-  std::vector<RegisterRequest> ok(3);
+  // Header "a", an empty message, header "b" with a's values, b's values.
+  std::vector<RegisterRequest> ok(4);
   header(&ok[0], "a", 2);
-  header(&ok[1], "b", 3);
-  values(&ok[1], "a", {1, 2});
-  values(&ok[2], "b", {3, 4, 5});
+  header(&ok[2], "b", 3);
+  values(&ok[2], "a", {1, 2});
+  values(&ok[3], "b", {3, 4, 5});
   RegisterResponse response;
   grpc::Status status = send(ok, &response);
   ASSERT_TRUE(status.ok()) << status.error_message();
