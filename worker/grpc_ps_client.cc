@@ -724,8 +724,7 @@ class GrpcPsClient final : public PsClient {
     }
     const Shard& shard = shards_[s];
     return absl::ResourceExhaustedError(absl::StrCat(
-        status.message(), "; this client sends up to ", shard.chunk_bytes,
-        " bytes per message (tensor data and framing)",
+        status.message(), "; this client sends messages of up to ", shard.chunk_bytes, " bytes",
         shard.told_chunk_limit
             ? ", the smaller of its own limit (worker --max_chunk_bytes) and the shard's "
               "ps_server --max_chunk_bytes as the shard reported it when the client registered "

@@ -928,8 +928,8 @@ TEST_F(RawPushTest, OversizedChunksAreRefused) {
   status = huge_client->Push(Make(huge_var, 1).cptrs(), {});
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_THAT(status.message(),
-              HasSubstr("this client sends up to 4194304 bytes of tensor data per message "
-                        "(worker --max_chunk_bytes), more than the shard's ps_server "
+              HasSubstr("this client sends messages of up to 4194304 bytes (worker "
+                        "--max_chunk_bytes), more than the shard's ps_server "
                         "--max_chunk_bytes"));
   // The same message sent raw.
   PushRequest m;
