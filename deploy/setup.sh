@@ -6,7 +6,8 @@
 # finds /usr/local/cuda. ocl-icd-opencl-dev is only a Recommends of
 # libdnnl-dev, but Debian's dnnl-config.cmake calls find_package(OpenCL
 # REQUIRED) (its oneDNN is built with the OpenCL GPU runtime), so without it
-# CMake stops at find_package(dnnl).
+# CMake stops at find_package(dnnl). python3-grpcio and python3-protobuf are
+# for one test only: a client in Python, written from docs/PROTOCOL.md.
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
@@ -14,6 +15,7 @@ packages=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   dataset-fashion-mnist
+  python3-grpcio python3-protobuf
 )
 missing=()
 for p in "${packages[@]}"; do
