@@ -5,7 +5,7 @@ It talks to a real ps_server binary with Python's gRPC (Debian's
 python3-grpcio) and Python classes that protoc generates from
 proto/psflow.proto, and nothing of psflow's C++: it registers a model whose
 kernel (4.8 MB) is larger than gRPC's default 4 MiB message limit in chunks,
-pushes a gradient, retries it with the same request id, pulls in answers of
+and two more whose header goes on over two messages, pushes a gradient, retries it with the same request id, pulls in answers of
 4 MiB with Python's default receive limit, sends bad input, reads GetStatus
 and the health service, and stops the shard with SIGTERM. Every value is
 checked exactly (SGD with learning rate 1 on values that float32 holds
@@ -136,12 +136,32 @@ def run(grpc, pb, address):
     check(response.parts_kept == 2 and response.parts_created == 0,
           f"a second registration: {response}")
 
+    # A header may go on over the next messages while no values have come
+    # (PROTOCOL: a client sends a header of many thousand parts so).
+    def split_header():
+        for name, n in (("extra/a", 3), ("extra/b", 2)):
+            yield pb.RegisterRequest(header=pb.RegisterHeader(
+                plan_fingerprint=0x5eed, num_shards=1, shard_index=0,
+                parts=[pb.PartDef(variable=name, variable_shape=[n], row_begin=0, row_end=n)]))
+        yield pb.RegisterRequest(segments=[
+            pb.Segment(variable="extra/a", data=floats([1, 2, 3])),
+            pb.Segment(variable="extra/b", data=floats([4, 5]))])
+
+    response = register(split_header(), timeout=60)
+    check(response.parts_created == 2, f"a header over two messages: {response}")
+    extra = {}
+    for answer in pull(pb.PullRequest(variables=["extra/a", "extra/b"]), timeout=60):
+        for seg in answer.segments:
+            extra[seg.variable] = unpack(seg.data)
+    check(extra == {"extra/a": [1, 2, 3], "extra/b": [4, 5]}, f"pulled {extra}")
+
     def pull_all(max_chunk_bytes=4 * MIB):
         got = {name: [None] * n for name, n in sizes.items()}
         versions = set()
         budget = max_chunk_bytes or MIB  # 0 asks for the default, 1 MiB
-        for answer in pull(pb.PullRequest(worker_id=7, max_chunk_bytes=max_chunk_bytes),
-                           timeout=60):
+        request = pb.PullRequest(worker_id=7, variables=list(sizes),
+                                 max_chunk_bytes=max_chunk_bytes)
+        for answer in pull(request, timeout=60):
             check(answer.ByteSize() <= budget,
                   f"a Pull answer of {answer.ByteSize()} bytes, over the {budget} asked")
             check(len(answer.versions) == len(answer.segments), "a version per segment")
@@ -194,7 +214,8 @@ def run(grpc, pb, address):
     status = get_status(pb.StatusRequest(), timeout=60)
     # `def` is a Python keyword: the field is read with getattr.
     parts = {getattr(p, "def").variable: (p.num_elements, p.version) for p in status.parts}
-    check(parts == {name: (n, 2) for name, n in sizes.items()}, f"GetStatus parts: {parts}")
+    check(parts == {**{name: (n, 2) for name, n in sizes.items()},
+                    "extra/a": (3, 0), "extra/b": (2, 0)}, f"GetStatus parts: {parts}")
     check(status.max_chunk_bytes == 4 * MIB, f"GetStatus max_chunk_bytes {status.max_chunk_bytes}")
     # HealthCheckRequest{service: ""} is empty; SERVING is status 1.
     check(health(b"", timeout=60) == b"\x08\x01", "the health service answers SERVING")
