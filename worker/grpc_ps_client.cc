@@ -280,7 +280,7 @@ class GrpcPsClient final : public PsClient {
       // the parts of another model on the same shard are not sent.
       for (int p : shard.parts) {
         const std::string& name = plan_.variables()[plan_.parts()[p].variable_index].name;
-        request_for(name.size() + 6).add_variables(name);
+        request_for(name.size() + 6).add_variables(name);  // tag, length (<= 5), name
       }
       conn.pull_elements = ShardElements(s);
       return;
@@ -297,6 +297,7 @@ class GrpcPsClient final : public PsClient {
             last->offset() + last->count() == seg.offset) {
           last->set_count(last->count() + seg.count);  // the same part, continued
         } else {
+          // Tag and length, the name's, two int64 fields: at most 34 and the name.
           PullRange* range = request_for(name.size() + 34).add_ranges();
           range->set_variable(name);
           range->set_offset(seg.offset);

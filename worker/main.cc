@@ -65,8 +65,8 @@ ABSL_FLAG(bool, fused_push_pull, false,
           "same on loopback; the values read are a little older). Default: a Push, then a Pull.");
 ABSL_FLAG(int64_t, max_chunk_bytes, 1 << 20,
           "Bytes per stream message at most, tensor data and framing (one element at least); "
-          "less to a ps shard whose own "
-          "--max_chunk_bytes is smaller (the worker asks each shard at start).");
+          "less to a ps shard whose own --max_chunk_bytes is smaller (the worker asks each "
+          "shard at start).");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments of the connections to the ps shards, "
           "name=value[,name=value...] (for tuning experiments; grpc.keepalive_time_ms and "
