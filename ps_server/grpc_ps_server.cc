@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -47,6 +48,9 @@ constexpr int64_t kPinnedPieceBytes = 64 << 10;
 // The most part definitions (in wire bytes) one registration's header may
 // hold over all its messages: about a million parts.
 constexpr int64_t kMaxRegisterHeaderBytes = 64 << 20;
+// GetStatus lists at most this many bytes of parts in one answer, so that
+// the answer stays under gRPC's default 4 MiB receive limit.
+constexpr size_t kStatusPageBytes = 3 << 20;
 
 absl::Status SegmentSize(const Segment& segment, int64_t* count) {
   if (segment.data().size() % 4 != 0) {
@@ -484,28 +488,27 @@ class PsServer::Service final : public grpc::Service {
                                              grpc::ByteBuffer, grpc::protobuf::MessageLite>(
             [](Service* s, grpc::ServerContext*, const grpc::ByteBuffer* bytes,
                StatusResponse* response) {
-              StatusRequest request;  // empty, but it must parse like every request
+              StatusRequest request;
               absl::Status parsed = ParseRequest(*bytes, "GetStatus: the request", &request);
               if (!parsed.ok()) return ToGrpcStatus(parsed);
-              s->DoGetStatus(response);
-              return grpc::Status::OK;
+              return ToGrpcStatus(s->DoGetStatus(request, response));
             },
             this)));
   }
 
  private:
-  void DoGetStatus(StatusResponse* response) {
+  absl::Status DoGetStatus(const StatusRequest& request, StatusResponse* response) {
+    if (request.page_size() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("GetStatus: page_size is ", request.page_size(),
+                       "; expected 0 (as many parts as fit in one answer) or more"));
+    }
     const VariableStoreOptions& o = store_->options();
     response->set_shard_index(o.shard_index);
     response->set_num_shards(o.num_shards);
     response->set_optimizer(store_->optimizer().DebugString());
     response->set_plan_fingerprint(store_->plan_fingerprint());
-    for (const PartSnapshot& part : store_->ListParts()) {
-      PartStatus* p = response->add_parts();
-      ToProto(part.def, p->mutable_def());
-      p->set_num_elements(part.num_elements);
-      p->set_version(part.version);
-    }
+    ListPartsPage(request, response);
     const StoreStats stats = store_->stats();
     response->set_pushes(stats.pushes);
     response->set_duplicate_elements(stats.duplicate_elements);
@@ -526,6 +529,32 @@ class PsServer::Service final : public grpc::Service {
     response->set_bytes_received(bytes_received_);
     response->set_bytes_sent(bytes_sent_);
     response->set_resident_bytes(ResidentBytes());
+    return absl::OkStatus();
+  }
+
+  // The parts whose names sort after the request's page_token, at most its
+  // page_size and at most kStatusPageBytes of them (but at least one, so
+  // that a pager always gets on), and the token that goes on after them.
+  void ListPartsPage(const StatusRequest& request, StatusResponse* response) {
+    const std::vector<PartSnapshot> parts = store_->ListParts();  // sorted by name
+    response->set_num_parts(static_cast<int64_t>(parts.size()));
+    auto it = std::upper_bound(parts.begin(), parts.end(), request.page_token(),
+                               [](const std::string& token, const PartSnapshot& part) {
+                                 return token < part.def.variable;
+                               });
+    size_t bytes = 0;
+    for (int listed = 0; it != parts.end(); ++it, ++listed) {
+      if (request.page_size() > 0 && listed == request.page_size()) break;
+      PartStatus entry;
+      ToProto(it->def, entry.mutable_def());
+      entry.set_num_elements(it->num_elements);
+      entry.set_version(it->version);
+      const size_t entry_bytes = entry.ByteSizeLong() + 6;  // and its tag and length
+      if (listed > 0 && bytes + entry_bytes > kStatusPageBytes) break;
+      bytes += entry_bytes;
+      *response->add_parts() = std::move(entry);
+    }
+    if (it != parts.end()) response->set_next_page_token(std::prev(it)->def.variable);
   }
 
   // Every method receives bytes and parses them here: gRPC's typed handlers

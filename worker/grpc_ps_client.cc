@@ -358,9 +358,12 @@ class GrpcPsClient final : public PsClient {
                 "is %016x): every process must use the same model and number of ps shards",
                 shards_[s].name, r.plan_fingerprint(), plan_.fingerprint()));
           }
-          if (r.parts_size() < static_cast<int>(shards_[s].parts.size())) {
+          // A shard that pages its parts counts them all in num_parts; an
+          // older one lists them all.
+          const int64_t held = std::max<int64_t>(r.num_parts(), r.parts_size());
+          if (held < static_cast<int64_t>(shards_[s].parts.size())) {
             missing = absl::UnavailableError(absl::StrCat(
-                shards_[s].name, " holds ", r.parts_size(), " of its ", shards_[s].parts.size(),
+                shards_[s].name, " holds ", held, " of its ", shards_[s].parts.size(),
                 " variables; is the chief (worker 0) running and registering the model?"));
           }
         }

@@ -13,12 +13,15 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc_wire.h"
 #include "gmock/gmock.h"
@@ -1543,6 +1546,78 @@ TEST_F(PsClusterTest, PullAnswersFitTheSizeAskedForFramingIncluded) {
   EXPECT_EQ(elements, 5000);
   // Not cut much finer than the budget either: half of it or more each.
   EXPECT_LE(answers, 2 * (5000 * 50 / 4096 + 1));
+}
+
+// A shard whose list of parts takes more than 4 MiB answers GetStatus in
+// pages that a client with gRPC's default limits can read, every part on
+// exactly one page, and counts them all in num_parts (which a waiting
+// worker uses).
+TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
+  StartCluster(1, SgdLr1());
+  constexpr int kVariables = 80;  // of 60,000-byte names: 4.8 MB of parts
+  std::vector<VariableSpec> vars;
+  for (int i = 0; i < kVariables; ++i) {
+    vars.push_back({absl::StrFormat("%03d/%s", i, std::string(60000, 'x')), {1}});
+  }
+  auto chief = Client(vars);
+  ASSERT_NE(chief, nullptr);
+  Tensors init = Make(vars, 1.0f);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+  auto waiter = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1);
+  ASSERT_NE(waiter, nullptr);
+  const absl::Status waited = waiter->WaitForVariables(absl::Seconds(10));
+  EXPECT_TRUE(waited.ok()) << waited;
+
+  auto stub = Stub(0);  // gRPC's default limits
+  auto get = [&](const StatusRequest& request, StatusResponse* out) {
+    grpc::ClientContext context;
+    return stub->GetStatus(&context, request, out);
+  };
+  // Lists every part by pages of `page_size`; returns the pages' sizes.
+  auto list_all = [&](int page_size) {
+    std::vector<int> pages;
+    std::vector<std::string> names;
+    StatusRequest request;
+    request.set_page_size(page_size);
+    do {
+      StatusResponse page;
+      const grpc::Status status = get(request, &page);
+      EXPECT_TRUE(status.ok()) << status.error_code() << ": " << status.error_message();
+      if (!status.ok() || pages.size() > kVariables) break;
+      EXPECT_LE(page.ByteSizeLong(), 4u << 20);
+      EXPECT_EQ(page.num_parts(), kVariables);
+      pages.push_back(page.parts_size());
+      for (const PartStatus& part : page.parts()) {
+        names.push_back(part.def().variable().substr(0, 3));  // the rest is "/xxx..."
+        EXPECT_EQ(part.def().variable().size(), 60004u);
+        EXPECT_EQ(part.num_elements(), 1);
+      }
+      request.set_page_token(page.next_page_token());
+    } while (!request.page_token().empty());
+    std::vector<std::string> expected;
+    for (const VariableSpec& v : vars) expected.push_back(v.name.substr(0, 3));
+    EXPECT_EQ(names, expected);  // in order, each once
+    return pages;
+  };
+  const std::vector<int> by_size = list_all(0);
+  EXPECT_GE(by_size.size(), 2u);
+  EXPECT_EQ(std::accumulate(by_size.begin(), by_size.end(), 0), kVariables);
+  const std::vector<int> by_seven = list_all(7);
+  EXPECT_EQ(by_seven, std::vector<int>({7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3}));
+
+  StatusRequest past_the_end;
+  past_the_end.set_page_token("999");
+  StatusResponse none;
+  ASSERT_TRUE(get(past_the_end, &none).ok());
+  EXPECT_EQ(none.parts_size(), 0);
+  EXPECT_EQ(none.num_parts(), kVariables);
+  EXPECT_EQ(none.next_page_token(), "");
+
+  StatusRequest negative;
+  negative.set_page_size(-1);
+  const grpc::Status refused = get(negative, &none);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error_message(), HasSubstr("page_size is -1"));
 }
 
 // The client retries UNAVAILABLE with backoff: a server that comes up late

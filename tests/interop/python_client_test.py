@@ -222,6 +222,17 @@ def run(grpc, pb, address):
     check(parts == {**{name: (n, 2) for name, n in sizes.items()},
                     "extra/a": (3, 0), "extra/b": (2, 0)}, f"GetStatus parts: {parts}")
     check(status.max_chunk_bytes == 4 * MIB, f"GetStatus max_chunk_bytes {status.max_chunk_bytes}")
+    check(status.num_parts == len(parts) and not status.next_page_token,
+          f"GetStatus num_parts {status.num_parts}, next_page_token {status.next_page_token!r}")
+    # The same parts, two at a time.
+    listed, token, pages = [], "", 0
+    while pages == 0 or token:
+        page = get_status(pb.StatusRequest(page_size=2, page_token=token), timeout=60)
+        listed += [getattr(p, "def").variable for p in page.parts]
+        token, pages = page.next_page_token, pages + 1
+        check(pages <= len(parts), f"GetStatus pages go on past {len(parts)}")
+    check(listed == sorted(parts) and pages == (len(parts) + 1) // 2,
+          f"GetStatus by pages of 2: {listed} in {pages} pages")
     # HealthCheckRequest{service: ""} is empty; SERVING is status 1.
     check(health(b"", timeout=60) == b"\x08\x01", "the health service answers SERVING")
     channel.close()
