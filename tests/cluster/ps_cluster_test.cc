@@ -1438,6 +1438,29 @@ TEST_F(PsClusterTest, PullOfUnknownVariableIsNotFound) {
   EXPECT_THAT(status.error_message(), HasSubstr("'ghost'"));
 }
 
+// An error that names a very long variable still reaches the client with
+// its own code, within gRPC's default 8 KiB limit on trailing metadata.
+TEST_F(PsClusterTest, ErrorNamingAHugeVariableKeepsItsCode) {
+  StartCluster(1);
+  auto stub = Stub(0);
+  // "é" is percent-encoded on the wire, 3 bytes for each of its two.
+  for (const std::string fill : {"g", "\xc3\xa9"}) {
+    grpc::ClientContext context;
+    PullRequest request;
+    std::string name = "ghost/";
+    for (int i = 0; i < 10000; ++i) name += fill;
+    name += "/end";
+    request.add_variables(name);
+    auto reader = stub->Pull(&context, request);
+    PullResponse msg;
+    EXPECT_FALSE(reader->Read(&msg));
+    grpc::Status status = reader->Finish();
+    EXPECT_EQ(status.error_code(), grpc::NOT_FOUND) << status.error_message().substr(0, 300);
+    EXPECT_THAT(status.error_message(), HasSubstr("'ghost/"));
+    EXPECT_LE(status.error_message().size(), 4096u);
+  }
+}
+
 TEST_F(PsClusterTest, PullOfRangesReadsThemAndRefusesBadOnes) {
   StartCluster(1, SgdLr1());
   const std::vector<VariableSpec> vars = {{"w", {10}}};
