@@ -1028,12 +1028,18 @@ TEST(VariableStoreTest, PinsAndPushesFromManyThreadsNeverShareAWrite) {
   constexpr int kPushers = 2, kPinners = 2, kPushes = 40;
   auto store = SgdStore();
   RegisterFilled(store.get(), Def("w", {kElements}, 0, kElements), 0.0f);
-  std::atomic<int> pushing{kPushers};
-  std::atomic<int64_t> pins_taken{0};
+  // However the threads are scheduled, the first pin is held until a push
+  // has been applied: the pushers start once it is taken.
+  std::atomic<int> pushing{kPushers}, pushes_done{0};
+  std::atomic<bool> first_pin_taken{false};
   std::vector<std::thread> threads;
   for (int t = 0; t < kPushers; ++t) {
     threads.emplace_back([&, t] {
-      for (int k = 0; k < kPushes; ++k) PushOnes(store.get(), "w", kElements, t * 1000 + k + 1);
+      while (!first_pin_taken) std::this_thread::yield();
+      for (int k = 0; k < kPushes; ++k) {
+        PushOnes(store.get(), "w", kElements, t * 1000 + k + 1);
+        ++pushes_done;
+      }
       --pushing;
     });
   }
@@ -1044,14 +1050,18 @@ TEST(VariableStoreTest, PinsAndPushesFromManyThreadsNeverShareAWrite) {
         ASSERT_TRUE(store->Pin("w", 0, kElements, pins.out()).ok());
         const std::vector<float> first = pins.Values();
         ASSERT_EQ(std::count(first.begin(), first.end(), first[0]), kElements);
-        std::this_thread::sleep_for(std::chrono::microseconds(300));
+        if (!first_pin_taken.exchange(true)) {
+          while (pushes_done == 0) std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(300));
+        }
         ASSERT_EQ(pins.Values(), first);
-        ++pins_taken;
       } while (pushing > 0);
     });
   }
   for (auto& th : threads) th.join();
-  EXPECT_GT(pins_taken, 0);
+  // At least the first push found its stripes pinned and copied them.
+  EXPECT_GE(store->stats().stripes_copied_on_write, 4);
   EXPECT_EQ(ReadAll(store.get(), "w", kElements),
             std::vector<float>(kElements, -1.0f * kPushers * kPushes));
 }
