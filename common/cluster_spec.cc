@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <optional>
 #include <string_view>
 #include <utility>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/edit_distance.h"
 #include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
@@ -151,12 +153,40 @@ absl::Status ParseClusterJobs(const Value& cluster, Draft* d) {
   return absl::OkStatus();
 }
 
+// A key of `object` that TF_CONFIG does not define but that looks like one
+// of `wanted` that the object lacks (another case, a letter off, or that key
+// with more after it, as "clusterSpec") is a misspelling, which TensorFlow
+// would ignore, leaving the task to a default or to "missing" errors that
+// hide the cause.
+absl::Status CheckMisspelledKeys(const google::protobuf::Struct& object, absl::string_view where,
+                                 std::initializer_list<absl::string_view> wanted,
+                                 std::initializer_list<absl::string_view> others) {
+  auto listed = [](std::initializer_list<absl::string_view> keys, absl::string_view key) {
+    return std::find(keys.begin(), keys.end(), key) != keys.end();
+  };
+  for (const auto& [key, value] : object.fields()) {
+    if (listed(wanted, key) || listed(others, key)) continue;
+    const std::string lower = absl::AsciiStrToLower(key);
+    for (absl::string_view w : wanted) {
+      if (object.fields().contains(std::string(w))) continue;
+      if (lower == w || EditDistance(lower, w) <= 1 || absl::StartsWith(lower, w)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "TF_CONFIG%s has %s but no \"%s\"; expected \"%s\" (keys are case-sensitive)", where,
+            Quoted(key), w, w));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ParseTask(const Value& task, Draft* d) {
   if (task.kind_case() != Value::kStructValue) {
     return absl::InvalidArgumentError(absl::StrCat(
         "TF_CONFIG: \"task\" must be an object like {\"type\": \"ps\", \"index\": 0} (type one of ",
         kExpectedTypes, "), got ", KindOf(task)));
   }
+  PSFLOW_RETURN_IF_ERROR(CheckMisspelledKeys(task.struct_value(), ": \"task\"", {"type", "index"},
+                                             {"trial", "cloud"}));
   const auto& fields = task.struct_value().fields();
   if (auto it = fields.find("type"); it != fields.end()) {
     if (it->second.kind_case() != Value::kStringValue) {
@@ -250,6 +280,8 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
         "TF_CONFIG has \"sparseCluster\" (TFJob's enableDynamicWorker mode) and no "
         "\"cluster\"; psflow needs the full \"cluster\": set enableDynamicWorker to false");
   }
+  PSFLOW_RETURN_IF_ERROR(CheckMisspelledKeys(root, "", {"cluster", "task"},
+                                             {"environment", "rpc_layer", "sparseCluster"}));
   if (auto it = root.fields().find("cluster"); it != root.fields().end()) {
     PSFLOW_RETURN_IF_ERROR(ParseClusterJobs(it->second, d));
   }
@@ -422,10 +454,15 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
     // cluster: it trains nothing and serves nothing. TensorFlow's resolver
     // accepts that; so do we, for index 0.
     if (*job != kEvaluator) {
+      std::vector<std::string> listed;
+      for (int j = 0; j < kNumJobs; ++j) {
+        if (!d.jobs[j].empty()) listed.push_back(absl::StrCat("\"", kJobNames[j], "\""));
+      }
       return absl::InvalidArgumentError(absl::StrFormat(
           "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that "
-          "is in the cluster",
-          d.type_origin.Where(), *d.task_type, kJobNames[*job]));
+          "is in the cluster: %s",
+          d.type_origin.Where(), *d.task_type, kJobNames[*job],
+          listed.empty() ? "it lists none" : absl::StrJoin(listed, ", ")));
     }
     if (d.task_index.value_or(0) != 0) {
       return absl::InvalidArgumentError(absl::StrFormat(

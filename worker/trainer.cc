@@ -190,8 +190,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   }
   if (train.num_classes > model.num_classes) {
     return absl::InvalidArgumentError(absl::StrFormat(
-        "%s has %d classes but the model's last layer has %d units", train.name,
-        train.num_classes, model.num_classes));
+        "the model's last layer (--model) has %d units but %s has %d classes; expected a last "
+        "layer dense:%d or wider",
+        model.num_classes, train.name, train.num_classes, train.num_classes));
   }
   const absl::Time start = absl::Now();
   TrainSummary summary;

@@ -476,6 +476,8 @@ TEST(TrainerInputTest, UnusableDataIsRefusedBeforeAnythingIsRegistered) {
   other_shape.pixels.resize(10 * 16);
   Dataset empty = MakeSquares(0, 2);
   empty.name = "squares/test";
+  Dataset more_classes = MakeSquares(40, 1);
+  more_classes.num_classes = 12;
   struct Case {
     const char* what;
     Dataset train, test;
@@ -488,6 +490,9 @@ TEST(TrainerInputTest, UnusableDataIsRefusedBeforeAnythingIsRegistered) {
       {"test of another shape", MakeSquares(40, 1), other_shape, 1,
        "squares/test has 4x4x1 examples but the model expects 8x8x1"},
       {"empty test", MakeSquares(40, 1), empty, 1, "squares/test has no examples"},
+      {"more classes than logits", more_classes, MakeSquares(10, 2), 1,
+       "the model's last layer (--model) has 10 units but squares has 12 classes; expected a "
+       "last layer dense:12 or wider"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);

@@ -109,6 +109,35 @@ TEST(ClusterSpecTest, IgnoresUnknownTopLevelAndTaskKeys) {
   EXPECT_EQ(spec.task_type, "ps");
 }
 
+// A key that looks like one TF_CONFIG defines, where that one is absent, is
+// a misspelling: "Index" left a single-ps task at index 0 without a word,
+// and "clusterSpec" was reported as a missing "cluster".
+TEST(ClusterSpecTest, MisspelledKeysAreNamed) {
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p:1"]},"task":{"type":"ps","Index":1}})"),
+              HasSubstr("TF_CONFIG: \"task\" has \"Index\" but no \"index\"; expected \"index\" "
+                        "(keys are case-sensitive)"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p:1"]},"task":{"typ":"ps","index":0}})"),
+              HasSubstr("\"task\" has \"typ\" but no \"type\""));
+  EXPECT_THAT(TfConfigError(R"({"clusterSpec":{"ps":["p:1"]},"task":{"type":"ps"}})"),
+              HasSubstr("TF_CONFIG has \"clusterSpec\" but no \"cluster\""));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["p:1"]},"Task":{"type":"ps"}})"),
+              HasSubstr("TF_CONFIG has \"Task\" but no \"task\""));
+  // Beside the right key, a look-alike is somebody else's: ignored.
+  EXPECT_EQ(
+      MustParse(R"({"cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0,"Index":5},"tasks":1})")
+          .task_index,
+      0);
+}
+
+// A task type that the cluster lacks: the message lists what it has.
+TEST(ClusterSpecTest, TaskTypeNotInTheClusterListsTheJobsItHas) {
+  EXPECT_THAT(
+      TfConfigError(
+          R"({"cluster":{"chief":["c:1"],"ps":["p:1"]},"task":{"type":"worker","index":0}})"),
+      HasSubstr("lists no \"worker\" addresses; expected a task type that is in the cluster: "
+                "\"chief\", \"ps\""));
+}
+
 TEST(ClusterSpecTest, MissingIndexIsZeroOnlyForASingleAddressJob) {
   const ClusterSpec spec = MustParse(
       R"({"cluster":{"chief":["c:1"],"worker":["w0:1","w1:1"]},"task":{"type":"chief"}})");

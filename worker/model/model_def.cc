@@ -1,7 +1,9 @@
 #include "worker/model/model_def.h"
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -32,6 +34,8 @@ std::string ShapeString(Shape3 s) { return absl::StrCat("[", s.h, ",", s.w, ",",
 struct Token {
   int index = 0;
   std::string text;
+  int line = 0;                       // in the spec's text, from 1
+  const std::string* file = nullptr;  // the spec file's path, if it came from one
 };
 
 // The token as the message shows it: bytes that are not printable ASCII
@@ -49,16 +53,21 @@ std::string Quoted(absl::string_view text) {
 }
 
 absl::Status TokenError(const Token& token, absl::string_view what) {
+  const std::string where = token.file == nullptr ? "model spec"
+                                                  : absl::StrCat("model spec file \"", *token.file,
+                                                                 "\" line ", token.line, ",");
   return absl::InvalidArgumentError(
-      absl::StrCat("model spec token ", token.index, " ", Quoted(token.text), ": ", what));
+      absl::StrCat(where, " token ", token.index, " ", Quoted(token.text), ": ", what));
 }
 
 // Splits a spec into layer tokens. Layers are separated by ',' or newlines;
 // '#' starts a comment that runs to the end of the line; whitespace around
 // tokens and their ':'-separated parts is ignored, as are empty tokens.
-std::vector<Token> Tokenize(const std::string& spec) {
+std::vector<Token> Tokenize(const std::string& spec, const std::string* file) {
   std::vector<Token> tokens;
+  int line_number = 0;
   for (absl::string_view line : absl::StrSplit(spec, '\n')) {
+    ++line_number;
     line = line.substr(0, line.find('#'));
     for (absl::string_view piece : absl::StrSplit(line, ',')) {
       std::vector<std::string> parts;
@@ -67,7 +76,7 @@ std::vector<Token> Tokenize(const std::string& spec) {
       }
       std::string text = absl::StrJoin(parts, ":");
       if (text.empty()) continue;
-      tokens.push_back({static_cast<int>(tokens.size()) + 1, std::move(text)});
+      tokens.push_back({static_cast<int>(tokens.size()) + 1, std::move(text), line_number, file});
     }
   }
   return tokens;
@@ -165,9 +174,16 @@ absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
                        "\" is not a regular file; expected a file holding a "
                        "spec such as conv2d:32:3:relu,flatten,dense:10"));
     }
+    errno = 0;
     std::ifstream file(path);
     if (!file) {
-      return absl::NotFoundError(absl::StrCat("model spec file \"", path, "\" cannot be read"));
+      const int error_number = errno;
+      const std::string reason =
+          error_number != 0 ? absl::StrCat(": ", std::strerror(error_number)) : "";
+      const std::string message =
+          absl::StrCat("model spec file \"", path, "\" cannot be read", reason);
+      return error_number == ENOENT ? absl::NotFoundError(message)
+                                    : absl::FailedPreconditionError(message);
     }
     // Read up to one byte past the limit: a file that grows while it is
     // read is held to it too.
@@ -231,7 +247,9 @@ absl::Status ParseLayer(const Token& token, LayerDef* layer) {
                         layer);
   }
   return TokenError(token, absl::StrCat("unknown layer ", Quoted(kind),
-                                        "; expected conv2d, maxpool, flatten or dense"));
+                                        "; expected conv2d, maxpool, flatten or dense (or, as the "
+                                        "whole --model, a built-in model, seed or two_conv, or "
+                                        "@FILE)"));
 }
 
 // Fills layer->output from layer->input; errors name the token and shapes.
@@ -277,7 +295,8 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
   }
   auto text = ResolveSpec(spec);
   if (!text.ok()) return text.status();
-  const std::vector<Token> tokens = Tokenize(*text);
+  const std::string file = !spec.empty() && spec[0] == '@' ? spec.substr(1) : "";
+  const std::vector<Token> tokens = Tokenize(*text, file.empty() ? nullptr : &file);
   if (tokens.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("model spec \"", spec, "\" has no layers"));
   }

@@ -171,7 +171,27 @@ TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
 
   auto missing = ParseModel("@/nonexistent/psflow/spec.txt", kMnist);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
-  EXPECT_THAT(missing.status().message(), HasSubstr("/nonexistent/psflow/spec.txt"));
+  EXPECT_THAT(missing.status().message(),
+              HasSubstr("\"/nonexistent/psflow/spec.txt\" cannot be read: No such file"));
+  // A path through a file: not "missing", and the reason says why.
+  { std::ofstream f(path); }
+  auto through_file = ParseModel(absl::StrCat("@", path, "/spec.txt"), kMnist);
+  EXPECT_EQ(through_file.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(through_file.status().message(), HasSubstr("cannot be read: Not a directory"));
+
+  // An error in a spec file names the file and the line.
+  {
+    std::ofstream f(path);
+    f << "# a small model\n"
+         "conv2d:8:3:relu,maxpool:2\n"
+         "flatten\n"
+         "dense:12x  # logits\n";
+  }
+  auto bad_line = ParseModel("@" + path, kMnist);
+  EXPECT_EQ(bad_line.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad_line.status().message(),
+              HasSubstr("model spec file \"" + path + "\" line 4, token 4 \"dense:12x\": units"));
+  std::remove(path.c_str());
 
   // A directory opens and reads as nothing: it was "a spec without layers".
   // (StrCat: GCC 12 warns -Wrestrict, wrongly, on "@" + std::string here.)
@@ -235,6 +255,7 @@ TEST(ParseModelTest, ErrorsNameTheTokenAndWhatWasExpected) {
       {"flatten,dense", kMnist, {"token 2 \"dense\"", "dense:UNITS"}},
       {"flatten,dense:10:same", kMnist, {"token 2", "unknown option \"same\"", "relu"}},
       {"lstm:10,dense:10", kMnist, {"token 1 \"lstm:10\"", "unknown layer", "conv2d"}},
+      {"seed2", kMnist, {"unknown layer \"seed2\"", "seed or two_conv", "@FILE"}},
       // An integer too large for its field was "not a positive integer".
       {"flatten,dense:3000000000",
        kMnist,
