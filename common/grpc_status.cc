@@ -1,6 +1,7 @@
 #include "common/grpc_status.h"
 
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 
@@ -16,6 +17,22 @@ size_t EncodedBytes(char c) {
 
 bool IsUtf8Continuation(char c) { return (static_cast<unsigned char>(c) & 0xc0) == 0x80; }
 
+// The UTF-8 character that `at` falls inside of, [begin, end), with
+// begin < at; {at, at} where `at` is a character's first byte or lies in
+// bytes that are not UTF-8 (where no cut is better than another).
+std::pair<size_t, size_t> CharacterAround(absl::string_view s, size_t at) {
+  if (at >= s.size() || !IsUtf8Continuation(s[at])) return {at, at};
+  size_t lead = at;
+  while (lead > 0 && at - lead < 3 && IsUtf8Continuation(s[lead])) --lead;
+  const auto b = static_cast<unsigned char>(s[lead]);
+  const size_t length = b >= 0xf0 && b <= 0xf4   ? 4
+                        : b >= 0xe0 && b <= 0xef ? 3
+                        : b >= 0xc2 && b <= 0xdf ? 2
+                                                 : 0;
+  if (length == 0 || lead + length <= at || lead + length > s.size()) return {at, at};
+  return {lead, lead + length};
+}
+
 }  // namespace
 
 std::string FitStatusMessage(absl::string_view message) {
@@ -26,11 +43,11 @@ std::string FitStatusMessage(absl::string_view message) {
   const size_t half = (kMaxEncodedStatusMessageBytes - 64) / 2;
   size_t head = 0, used = 0;
   while (used + EncodedBytes(message[head]) <= half) used += EncodedBytes(message[head++]);
-  while (head > 0 && IsUtf8Continuation(message[head])) --head;  // whole characters only
+  head = CharacterAround(message, head).first;  // whole characters only
   size_t tail = message.size();
   used = 0;
   while (used + EncodedBytes(message[tail - 1]) <= half) used += EncodedBytes(message[--tail]);
-  while (tail < message.size() && IsUtf8Continuation(message[tail])) ++tail;
+  tail = CharacterAround(message, tail).second;  // starts after a character it would cut
   return absl::StrCat(message.substr(0, head), " [... ", tail - head, " bytes left out ...] ",
                       message.substr(tail));
 }

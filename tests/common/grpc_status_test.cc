@@ -92,6 +92,21 @@ TEST(FitStatusMessageTest, CutsOnlyBetweenWholeUtf8Characters) {
   }
 }
 
+// Bytes that are not UTF-8 (names reach messages as the client sent them)
+// are cut where the budget falls: nothing more is lost looking for a
+// character's start.
+TEST(FitStatusMessageTest, BytesThatAreNotUtf8LoseNoMoreThanTheBudget) {
+  const std::string message = "variable '" + std::string(10000, '\x80') + "' is not on shard 0";
+  const std::string fitted = FitStatusMessage(message);
+  EXPECT_LE(Encoded(fitted), kMaxEncodedStatusMessageBytes);
+  EXPECT_GE(Encoded(fitted), kMaxEncodedStatusMessageBytes - 80);
+  EXPECT_THAT(fitted, StartsWith("variable '\x80\x80"));
+  EXPECT_THAT(fitted, EndsWith("\x80\x80' is not on shard 0"));
+  // A lone lead byte at the cut, with no continuation after it.
+  const std::string lone = std::string(3000, 'a') + "\xc3" + std::string(3000, 'b');
+  EXPECT_LE(Encoded(FitStatusMessage(lone)), kMaxEncodedStatusMessageBytes);
+}
+
 TEST(ToGrpcStatusTest, KeepsTheCodeAndFitsTheMessage) {
   const grpc::Status ok = ToGrpcStatus(absl::OkStatus());
   EXPECT_TRUE(ok.ok());

@@ -1045,6 +1045,12 @@ TEST(VariableStoreTest, PinsAndPushesFromManyThreadsNeverShareAWrite) {
   }
   for (int t = 0; t < kPinners; ++t) {
     threads.emplace_back([&] {
+      // Lets the pushers go however this thread ends (a failed ASSERT
+      // returns from it), so that a failure is not a hang.
+      struct Release {
+        std::atomic<bool>* taken;
+        ~Release() { *taken = true; }
+      } release{&first_pin_taken};
       do {
         Pins pins;
         ASSERT_TRUE(store->Pin("w", 0, kElements, pins.out()).ok());
