@@ -1,12 +1,15 @@
 #include "ps_server/grpc_ps_server.h"
 
+#include <netdb.h>
 #include <pthread.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -48,8 +51,9 @@ constexpr int64_t kPinnedPieceBytes = 64 << 10;
 // The most part definitions (in wire bytes) one registration's header may
 // hold over all its messages: about a million parts.
 constexpr int64_t kMaxRegisterHeaderBytes = 64 << 20;
-// GetStatus lists at most this many bytes of parts in one answer, so that
-// the answer stays under gRPC's default 4 MiB receive limit.
+// GetStatus lists at most this many bytes of parts (and the next page's
+// token) in one answer, so that the answer stays under gRPC's default 4 MiB
+// receive limit (names are at most VariableStore::kMaxVariableNameBytes).
 constexpr size_t kStatusPageBytes = 3 << 20;
 
 absl::Status SegmentSize(const Segment& segment, int64_t* count) {
@@ -96,6 +100,71 @@ absl::Status CheckUnixSocketFree(const std::string& address, int shard_index) {
   if (!live) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("ps shard ", shard_index, " could not listen on ",
                                              address, ": another process listens there"));
+}
+
+// Why gRPC could not listen on `address` (it says so only in its own log):
+// the same bind, done here, with its errno and what that usually means.
+// "" when the bind works now.
+std::string ListenFailureReason(const std::string& address) {
+  auto with_hint = [](int error, absl::string_view hint) {
+    return absl::StrCat(std::strerror(error), hint.empty() ? "" : " (", hint,
+                        hint.empty() ? "" : ")");
+  };
+  if (absl::StartsWith(address, "unix:")) {
+    const std::string path = address.substr(5);
+    sockaddr_un addr{};
+    if (path.size() >= sizeof(addr.sun_path)) {
+      return absl::StrCat("the path is ", path.size(),
+                          " bytes; a unix socket's path takes at most ", sizeof(addr.sun_path) - 1);
+    }
+    const std::string dir = path.find('/') == std::string::npos
+                                ? "."
+                                : path.substr(0, std::max<size_t>(path.rfind('/'), 1));
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      return with_hint(errno, absl::StrCat("the socket's directory ", dir, " must exist"));
+    }
+    if (!S_ISDIR(st.st_mode)) return with_hint(ENOTDIR, absl::StrCat(dir, " is not a directory"));
+    if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      return with_hint(errno, absl::StrCat("the shard must be able to create files in ", dir));
+    }
+    return "";
+  }
+  // host:port or [ipv6]:port, as gRPC reads it.
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return "expected host:port, [ipv6]:port or unix:path";
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (const int e =
+          ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found);
+      e != 0) {
+    return absl::StrCat("cannot resolve ", host.empty() ? address : host, ": ", ::gai_strerror(e));
+  }
+  std::string reason;
+  for (const addrinfo* a = found; a != nullptr && reason.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      const int error = errno;
+      reason = with_hint(error, error == EADDRINUSE      ? "another process listens on that port"
+                                : error == EADDRNOTAVAIL ? "not an address of this machine"
+                                : error == EACCES        ? "ports below 1024 need privileges"
+                                                         : "");
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return reason;
 }
 
 }  // namespace
@@ -549,8 +618,11 @@ class PsServer::Service final : public grpc::Service {
       ToProto(it->def, entry.mutable_def());
       entry.set_num_elements(it->num_elements);
       entry.set_version(it->version);
-      const size_t entry_bytes = entry.ByteSizeLong() + 6;  // and its tag and length
-      if (listed > 0 && bytes + entry_bytes > kStatusPageBytes) break;
+      // The entry with its tag and length, and the next_page_token its
+      // name may become.
+      const size_t entry_bytes = entry.ByteSizeLong() + 6;
+      const size_t token_bytes = it->def.variable.size() + 6;
+      if (listed > 0 && bytes + entry_bytes + token_bytes > kStatusPageBytes) break;
       bytes += entry_bytes;
       *response->add_parts() = std::move(entry);
     }
@@ -1133,13 +1205,17 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   if (options.interceptors) builder.experimental().SetInterceptorCreators(options.interceptors());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("ps shard ", options.store.shard_index, " could not listen on ",
-                     options.address, " (address in use, or not a valid host:port?)"));
+    const std::string reason = ListenFailureReason(options.address);
+    return absl::UnavailableError(absl::StrCat(
+        "ps shard ", options.store.shard_index, " could not listen on ", options.address, ": ",
+        reason.empty() ? "gRPC refused it (its log above says why)" : reason));
   }
   const bool is_unix = absl::StartsWith(options.address, "unix:");
   if (!is_unix && port == 0) {
-    return absl::UnavailableError(absl::StrCat("could not bind ", options.address));
+    const std::string reason = ListenFailureReason(options.address);
+    return absl::UnavailableError(absl::StrCat("ps shard ", options.store.shard_index,
+                                               " could not listen on ", options.address, ": ",
+                                               reason.empty() ? "gRPC bound no port" : reason));
   }
   server->port_ = is_unix ? 0 : port;
   if (auto* health = server->server_->GetHealthCheckService()) {

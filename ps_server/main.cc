@@ -199,10 +199,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   }
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
   if (options.apply_threads < -1 || options.apply_threads > kMaxApplyThreads) {
-    return absl::InvalidArgumentError(absl::StrCat("--apply_threads=", options.apply_threads,
-                                                   "; expected -1 (one per core), 0 (none) or up "
-                                                   "to ",
-                                                   kMaxApplyThreads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--apply_threads=", options.apply_threads,
+                     "; expected -1 (one per core, at most 16, on 4 or more cores, else none), 0 "
+                     "(none) or 1 to ",
+                     kMaxApplyThreads));
   }
   options.apply_window = absl::GetFlag(FLAGS_apply_window);
   if (options.apply_window < 1) {

@@ -28,6 +28,11 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 
 absl::Status ValidateDefinition(const PartDefinition& def) {
   if (def.variable.empty()) return absl::InvalidArgumentError("a part has an empty variable name");
+  if (def.variable.size() > VariableStore::kMaxVariableNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "variable '", absl::string_view(def.variable).substr(0, 64), "...' has a name of ",
+        def.variable.size(), " bytes; expected at most ", VariableStore::kMaxVariableNameBytes));
+  }
   // Every count derived from the shape (elements, bytes with the optimizer's
   // slots) must fit in 64 bits: at most 2^56 elements.
   constexpr int64_t kMaxElements = int64_t{1} << 56;
@@ -502,7 +507,9 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
           return absl::FailedPreconditionError(absl::StrCat(
               "variable '", def.variable, "' is registered on ps shard ", options_.shard_index,
               " as ", have.DebugString(), " but this registration has ", def.DebugString(),
-              "; every worker must build the same model and plan"));
+              "; every worker must build the same model and plan (a shard keeps its variables "
+              "until "
+              "it restarts: to train another model, restart the ps shards)"));
         }
         exists = true;
       }

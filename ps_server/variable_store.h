@@ -157,6 +157,10 @@ class VariableStore {
   // Elements per lock stripe of a part (256 KiB of parameters): a 1 MiB push
   // message covers 4-5 stripes, the seed model's big kernel 43.
   static constexpr int64_t kLockStripeElements = int64_t{1} << 16;
+  // The longest variable name a registration may use (TensorFlow's are tens
+  // of bytes): every answer that names variables (GetStatus pages, errors)
+  // stays within gRPC's default limits.
+  static constexpr size_t kMaxVariableNameBytes = 64 << 10;
 
  private:
   // A lock stripe's parameters: `home`, its place in the part's one

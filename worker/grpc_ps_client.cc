@@ -362,9 +362,11 @@ class GrpcPsClient final : public PsClient {
           // older one lists them all.
           const int64_t held = std::max<int64_t>(r.num_parts(), r.parts_size());
           if (held < static_cast<int64_t>(shards_[s].parts.size())) {
-            missing = absl::UnavailableError(absl::StrCat(
-                shards_[s].name, " holds ", held, " of its ", shards_[s].parts.size(),
-                " variables; is the chief (worker 0) running and registering the model?"));
+            missing = absl::UnavailableError(
+                absl::StrCat(shards_[s].name, " holds ", held, " of its ", shards_[s].parts.size(),
+                             " variables; is the chief (the \"chief\" task, else worker 0) running "
+                             "and registering the "
+                             "model?"));
           }
         }
       }
@@ -488,7 +490,7 @@ class GrpcPsClient final : public PsClient {
         std::min(retry.retry_window, std::max(absl::ZeroDuration(), deadline - absl::Now()));
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(retry, [&] { return StatusOnce(s, &out[s], deadline); });
+      return RetryCall(retry, [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });
     }));
     return out;
   }
@@ -1015,14 +1017,20 @@ class GrpcPsClient final : public PsClient {
     return NameChunkLimit(s, FromGrpcStatus(status, shard.name));
   }
 
-  absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture()) {
+  // Shard s's status with a page of at most `page_size` parts (0: a full
+  // page). The client's own checks read the counters and num_parts only,
+  // so they ask for one part, not for up to 3 MiB of them.
+  absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture(),
+                          int page_size = 1) {
     grpc::ClientContext context;
     SetDeadline(&context, cap);
-    return FromGrpcStatus(shards_[s].stub->GetStatus(&context, StatusRequest(), out),
-                          shards_[s].name);
+    StatusRequest request;
+    request.set_page_size(page_size);
+    return FromGrpcStatus(shards_[s].stub->GetStatus(&context, request, out), shards_[s].name);
   }
 
-  // Every shard's status, each call ending by `cap` at the latest.
+  // Every shard's status (one part of each), each call ending by `cap` at
+  // the latest.
   absl::StatusOr<std::vector<StatusResponse>> GetStatusOnce(absl::Time cap) {
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(

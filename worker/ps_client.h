@@ -80,7 +80,7 @@ class PsClient {
                                               const PushInfo& info,
                                               absl::Span<float* const> values) = 0;
   // Each shard's status, in shard order, with the first page of its parts
-  // (StatusRequest: about 37,000 parts of 60-byte names; num_parts counts
+  // (StatusRequest: up to 3 MiB of them; num_parts counts
   // them all). Retries as every call does, but starts no attempt after
   // `deadline` and ends each by it (a chief waiting for its shards stops
   // when its own wait is over).

@@ -30,6 +30,7 @@
 #include "grpcpp/support/server_interceptor.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
+#include "ps_server/variable_store.h"
 #include "psflow.grpc.pb.h"
 #include "tests/cluster/loopback_server.h"
 #include "worker/grpc_ps_client.h"
@@ -40,6 +41,7 @@ namespace {
 using server::OptimizerOptions;
 using server::PsServer;
 using server::PsServerOptions;
+using server::VariableStore;
 using ::testing::HasSubstr;
 using worker::AutoStreamsPerShard;
 using worker::CombineStreamStatuses;
@@ -1574,10 +1576,12 @@ TEST_F(PsClusterTest, PullAnswersFitTheSizeAskedForFramingIncluded) {
 // worker uses).
 TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
   StartCluster(1, SgdLr1());
-  constexpr int kVariables = 80;  // of 60,000-byte names: 4.8 MB of parts
+  // Of the longest names a shard takes: 5.2 MB of parts.
+  constexpr int kVariables = 80;
+  constexpr size_t kNameBytes = VariableStore::kMaxVariableNameBytes;
   std::vector<VariableSpec> vars;
   for (int i = 0; i < kVariables; ++i) {
-    vars.push_back({absl::StrFormat("%03d/%s", i, std::string(60000, 'x')), {1}});
+    vars.push_back({absl::StrFormat("%03d/%s", i, std::string(kNameBytes - 4, 'x')), {1}});
   }
   auto chief = Client(vars);
   ASSERT_NE(chief, nullptr);
@@ -1609,7 +1613,7 @@ TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
       pages.push_back(page.parts_size());
       for (const PartStatus& part : page.parts()) {
         names.push_back(part.def().variable().substr(0, 3));  // the rest is "/xxx..."
-        EXPECT_EQ(part.def().variable().size(), 60004u);
+        EXPECT_EQ(part.def().variable().size(), kNameBytes);
         EXPECT_EQ(part.num_elements(), 1);
       }
       request.set_page_token(page.next_page_token());
@@ -1624,6 +1628,16 @@ TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
   EXPECT_EQ(std::accumulate(by_size.begin(), by_size.end(), 0), kVariables);
   const std::vector<int> by_seven = list_all(7);
   EXPECT_EQ(by_seven, std::vector<int>({7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3}));
+
+  // One byte longer is refused, naming the limit.
+  auto longer = Client({{std::string(kNameBytes + 1, 'y'), {1}}});
+  ASSERT_NE(longer, nullptr);
+  Tensors one = Make({{std::string(kNameBytes + 1, 'y'), {1}}}, 1.0f);
+  const absl::Status refused_name = longer->Register(one.cptrs()).status();
+  EXPECT_EQ(refused_name.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused_name.message(),
+              HasSubstr(absl::StrCat("has a name of ", kNameBytes + 1, " bytes; expected at most ",
+                                     kNameBytes)));
 
   StatusRequest past_the_end;
   past_the_end.set_page_token("999");
@@ -1642,6 +1656,37 @@ TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
 
 // The client retries UNAVAILABLE with backoff: a server that comes up late
 // is reached.
+// A shard that cannot listen says why, from the errno of the same bind
+// (gRPC says it only in its own log): a port in use, a socket directory
+// that does not exist, a host that does not resolve.
+TEST(PsServerStartTest, ListenFailuresSayWhy) {
+  PsServerOptions first;
+  first.address = "127.0.0.1:0";
+  auto running = PsServer::Start(first);
+  ASSERT_TRUE(running.ok()) << running.status();
+  struct Case {
+    std::string address;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {absl::StrCat("127.0.0.1:", (*running)->port()),
+       "Address already in use (another process listens on that port)"},
+      {"unix:/nonexistent-psflow-dir/ps.sock",
+       "No such file or directory (the socket's directory /nonexistent-psflow-dir must exist)"},
+      {"no-such-host.invalid:2222", "cannot resolve no-such-host.invalid: "},
+  };
+  for (const Case& c : cases) {
+    PsServerOptions options;
+    options.address = c.address;
+    auto server = PsServer::Start(options);
+    ASSERT_FALSE(server.ok()) << c.address;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(server.status().message(),
+                HasSubstr(absl::StrCat("could not listen on ", c.address, ": ", c.want)));
+  }
+  (*running)->Shutdown();
+}
+
 TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {
   // Find a free port, then start the server on it a little later.
   PsServerOptions probe;
