@@ -1,9 +1,11 @@
 #include "common/flags_usage.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,9 +110,78 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
   return "";
 }
 
+namespace {
+
+// What a value of `flag`'s type looks like, for an error message.
+std::string ExpectedValue(const absl::CommandLineFlag& flag) {
+  if (flag.IsOfType<bool>()) return "true or false";
+  if (flag.IsOfType<int>() || flag.IsOfType<int64_t>() || flag.IsOfType<int32_t>() ||
+      flag.IsOfType<uint32_t>() || flag.IsOfType<uint64_t>() ||
+      flag.IsOfType<std::optional<int>>() || flag.IsOfType<std::optional<int64_t>>()) {
+    return "a whole number";
+  }
+  if (flag.IsOfType<double>() || flag.IsOfType<float>() || flag.IsOfType<std::optional<double>>()) {
+    return "a number";
+  }
+  if (flag.IsOfType<std::vector<std::string>>()) return "a comma-separated list";
+  return "";  // Abseil's parser says what it wanted
+}
+
+// " (default D)", or "" where the default is empty or unset.
+std::string Default(const absl::CommandLineFlag& flag) {
+  const std::string d = flag.DefaultValue();
+  return d.empty() ? "" : absl::StrCat(" (default ", d, ")");
+}
+
+}  // namespace
+
+std::string BadValueProblem(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;
+    if (arg.size() < 2 || arg[0] != '-') continue;
+    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
+    const size_t eq = arg.find('=');
+    const absl::string_view name = arg.substr(0, eq);
+    if (IsAbseilFlag(name)) continue;  // Abseil's own, checked by Abseil
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr || flag->IsRetired()) continue;  // --noname, or unknown: not ours here
+    std::string value;
+    if (eq != absl::string_view::npos) {
+      value = std::string(arg.substr(eq + 1));
+    } else if (IsBool(flag)) {
+      continue;
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      const std::string expected = ExpectedValue(*flag);
+      return absl::StrCat("--", name, " needs a value: --", name, "=VALUE",
+                          expected.empty() ? "" : ", ", expected, Default(*flag));
+    }
+    // Parsing sets the flag, as the parse that follows would anyway.
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      const std::string expected = ExpectedValue(*flag);
+      if (!expected.empty()) {
+        return absl::StrCat("--", name, "=", value, " is not ", expected, Default(*flag));
+      }
+      // Abseil's "Illegal value ... specified for flag ...; <why>": the why.
+      const size_t why = error.find("; ");
+      return absl::StrCat("--", name, "=", value, " is not valid",
+                          why == std::string::npos ? "" : ": ",
+                          why == std::string::npos ? "" : error.substr(why + 2), Default(*flag));
+    }
+  }
+  return "";
+}
+
 void ParseFlagsOrExit(int argc, char** argv, const char* program) {
   if (const std::string unknown = UnknownFlagProblem(argc, argv, program); !unknown.empty()) {
     std::fprintf(stderr, "%s: %s\n", program, unknown.c_str());
+    std::exit(1);
+  }
+  if (const std::string bad = BadValueProblem(argc, argv); !bad.empty()) {
+    std::fprintf(stderr, "%s: %s\n", program, bad.c_str());
     std::exit(1);
   }
   // absl::ParseCommandLine is this with kHandleUsage, whose exit code for a

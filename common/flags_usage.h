@@ -25,13 +25,20 @@ void SetUsage(const char* usage, const char* main_file);
 // before absl::ParseCommandLine, and exit 1 with the message.
 std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 
+// Why a value given to one of the binary's flags does not parse, or "" if
+// every one does: "--batch_size=64k is not a whole number (default 64)",
+// "--batch_size needs a value: ...". Abseil's own message names neither the
+// binary nor what was expected. Sets the flags it parses (the parse that
+// follows sets them alike). Call after UnknownFlagProblem.
+std::string BadValueProblem(int argc, char** argv);
+
 // Parses the command line as absl::ParseCommandLine does, but exits 0
 // after --help, --helpfull and their kin have printed (Abseil 20220623
 // exits 1 there, which scripts read as a failure), and first exits 1 with
 // UnknownFlagProblem's message, prefixed with "program: ", on an unknown
-// flag. A bad flag value exits 1 with Abseil's message, as before, and so
-// does an argument that is not a flag (none of psflow's binaries takes one:
-// "--nesterov false" would set --nesterov and drop "false").
+// flag, and with BadValueProblem's on a value that does not parse. An
+// argument that is not a flag exits 1 too (none of psflow's binaries takes
+// one: "--nesterov false" would set --nesterov and drop "false").
 void ParseFlagsOrExit(int argc, char** argv, const char* program);
 
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';

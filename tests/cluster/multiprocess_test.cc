@@ -175,7 +175,7 @@ TEST_F(MultiProcessTest, HelpListsTheFlagsAndExitsZero) {
   }
   const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=two"});
   EXPECT_EQ(code, 1) << out;
-  EXPECT_THAT(out, ::testing::HasSubstr("'two'"));
+  EXPECT_THAT(out, ::testing::HasSubstr("ps_server: --port=two is not a whole number"));
 }
 
 // A malformed TF_CONFIG is refused with a message naming the key; nothing runs.

@@ -1,6 +1,7 @@
 // ParseNameValues: the name=value lists of --grpc_arg (ps_server, worker)
 // and --client_grpc_arg (push_pull_bench). UnknownFlagProblem: the message
-// for a mistyped or foreign flag.
+// for a mistyped or foreign flag. BadValueProblem: the message for a value
+// that does not parse.
 #include "common/flags_usage.h"
 
 #include <string>
@@ -13,6 +14,7 @@
 ABSL_FLAG(std::string, optimizer, "adam", "for the test");
 ABSL_FLAG(bool, fused_push_pull, false, "for the test");
 ABSL_FLAG(double, learning_rate, 0.1, "for the test");
+ABSL_FLAG(int, batch_size, 64, "for the test");
 
 namespace psflow {
 namespace {
@@ -72,6 +74,36 @@ TEST(UnknownFlagProblemTest, AcceptsEveryFormAbseilParses) {
               ::testing::HasSubstr("unknown flag --task_index"));
   // A negation of a flag that is not a bool is not one.
   EXPECT_THAT(Problem({"--nooptimizer"}), ::testing::HasSubstr("unknown flag --nooptimizer"));
+}
+
+std::string BadValue(std::vector<std::string> args) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return BadValueProblem(static_cast<int>(argv.size()), argv.data());
+}
+
+TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
+  EXPECT_EQ(BadValue({"--batch_size=64k"}), "--batch_size=64k is not a whole number (default 64)");
+  EXPECT_EQ(BadValue({"--optimizer=sgd", "--batch_size", "12x"}),
+            "--batch_size=12x is not a whole number (default 64)");
+  EXPECT_EQ(BadValue({"-learning_rate=fast"}),
+            "--learning_rate=fast is not a number (default 0.1)");
+  EXPECT_EQ(BadValue({"--fused_push_pull=maybe"}),
+            "--fused_push_pull=maybe is not true or false (default false)");
+  EXPECT_EQ(BadValue({"--batch_size"}),
+            "--batch_size needs a value: --batch_size=VALUE, a whole number (default 64)");
+}
+
+TEST(BadValueProblemTest, AcceptsGoodValuesAndLeavesOthersToTheirChecks) {
+  EXPECT_EQ(BadValue({}), "");
+  EXPECT_EQ(BadValue({"--batch_size=32", "--learning_rate", "-0.5", "--fused_push_pull",
+                      "--nofused_push_pull", "--optimiser=x", "--helpfull"}),
+            "");
+  EXPECT_EQ(absl::GetFlag(FLAGS_batch_size), 32);  // parsed as the real parse will
+  EXPECT_EQ(BadValue({"--", "--batch_size=x"}), "");
+  absl::SetFlag(&FLAGS_batch_size, 64);
+  absl::SetFlag(&FLAGS_learning_rate, 0.1);
 }
 
 }  // namespace
