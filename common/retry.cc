@@ -46,9 +46,12 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
   }
   std::string why;
   if (past_window) {
-    why = absl::StrCat("; another would start more than ",
-                       absl::FormatDuration(options.retry_window), " after the first",
-                       options.window_reason.empty() ? "" : ", ", options.window_reason);
+    why = absl::StrCat(
+        "; another would start more than ",
+        // Whole milliseconds: a window computed from a
+        // deadline reads 1s, not 999.998557ms.
+        absl::FormatDuration(absl::Ceil(options.retry_window, absl::Milliseconds(1))),
+        " after the first", options.window_reason.empty() ? "" : ", ", options.window_reason);
   }
   return absl::Status(
       status.code(),

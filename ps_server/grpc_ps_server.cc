@@ -736,13 +736,17 @@ class PsServer::Service final : public grpc::Service {
     wire::DecodedMessage msg;
   };
 
-  // Reads and decodes the next push message; false at the end of the stream.
+  // Reads and decodes message `index` (from 1) of a `method` ("Push" or
+  // "PushPull") stream; false at the end of the stream.
   absl::StatusOr<bool> ReadPush(grpc::internal::ReaderInterface<grpc::ByteBuffer>* reader,
-                                PushMessage* m) {
+                                absl::string_view method, size_t index, PushMessage* m) {
     if (!reader->Read(&m->buffer)) return false;
     PSFLOW_RETURN_IF_ERROR(wire::DumpPieces(m->buffer, &m->slices, &m->pieces));
     absl::Status s = wire::Decode(wire::MessageKind::kPushRequest, m->pieces, &m->msg);
-    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("Push: ", s.message()));
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(method, ": message ", index, " of the stream: ", s.message()));
+    }
     return true;
   }
 
@@ -872,7 +876,7 @@ class PsServer::Service final : public grpc::Service {
     // Message n lives in slots[n % (window + 1)]: up to `window` being
     // applied, one more being read.
     std::vector<Slot> slots(window + 1);
-    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, &slots[0].message));
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(reader, "Push", 1, &slots[0].message));
     if (!got || !slots[0].message.msg.has_header) {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
@@ -900,7 +904,8 @@ class PsServer::Service final : public grpc::Service {
         }
       }
       if (!status.ok()) break;
-      absl::StatusOr<bool> more = ReadPush(reader, &slots[(n + 1) % slots.size()].message);
+      absl::StatusOr<bool> more =
+          ReadPush(reader, "Push", n + 2, &slots[(n + 1) % slots.size()].message);
       if (!more.ok()) status = more.status();
       if (!status.ok() || !*more) break;
     }
@@ -927,7 +932,8 @@ class PsServer::Service final : public grpc::Service {
   absl::Status DoPushPull(grpc::ServerContext* context,
                           grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
     PushMessage m;
-    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(stream, &m));
+    size_t index = 1;  // of the message in `m`
+    PSFLOW_ASSIGN_OR_RETURN(bool got, ReadPush(stream, "PushPull", index, &m));
     if (!got || !m.msg.has_header) {
       return absl::InvalidArgumentError("PushPull: the first message must carry the header");
     }
@@ -990,7 +996,7 @@ class PsServer::Service final : public grpc::Service {
           break;
         }
       }
-      absl::StatusOr<bool> more = ReadPush(stream, &m);
+      absl::StatusOr<bool> more = ReadPush(stream, "PushPull", ++index, &m);
       if (!more.ok()) status = more.status();
       if (!status.ok() || !*more) break;
     }

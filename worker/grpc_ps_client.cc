@@ -486,8 +486,10 @@ class GrpcPsClient final : public PsClient {
   using PsClient::GetStatus;
   absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) override {
     RetryOptions retry = options_.retry;
-    retry.retry_window =
-        std::min(retry.retry_window, std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    if (deadline - absl::Now() < retry.retry_window) {
+      retry.retry_window = std::max(absl::ZeroDuration(), deadline - absl::Now());
+      retry.window_reason = "past this status check's deadline";
+    }
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryCall(retry, [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });

@@ -145,6 +145,15 @@ absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
   }
 }
 
+// `status` with the call and the step it failed in before its message;
+// its code and payloads (GradientStillHeld) kept.
+absl::Status InCall(const absl::Status& status, absl::string_view call, int64_t step) {
+  absl::Status out(status.code(), absl::StrCat(call, " of step ", step, ": ", status.message()));
+  status.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 }  // namespace
 
 absl::Status Evaluate(ComputeBackend* backend, absl::Span<const float* const> params,
@@ -273,7 +282,8 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   // Written by the comm thread between Start and Wait.
   double push_s = 0, pull_s = 0, push_pull_s = 0;
   int64_t read_version = read.max_version;
-  // Pushes grads[g] and pulls into params[p].
+  // Pushes grads[g] and pulls into params[p]; an error says which call of
+  // which step (counted from 1, as the progress lines count) failed.
   auto communicate = [&](int g, int p, int64_t step) -> absl::Status {
     absl::Time t = absl::Now();
     if (options.fused_push_pull) {
@@ -281,7 +291,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
           client->PushPull(grads[g].cptrs, {step, read_version}, params[p].ptrs);
       if (!r.ok()) {
         if (GradientStillHeld(r.status())) keep_grads.held = true;
-        return r.status();
+        return InCall(r.status(), "the push and pull (PushPull)", step + 1);
       }
       push_pull_s += Seconds(t);
       read_version = r->max_version;
@@ -289,11 +299,13 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     }
     if (absl::Status pushed = client->Push(grads[g].cptrs, {step, read_version}); !pushed.ok()) {
       if (GradientStillHeld(pushed)) keep_grads.held = true;
-      return pushed;
+      return InCall(pushed, "the push", step + 1);
     }
     push_s += Seconds(t);
     t = absl::Now();
-    PSFLOW_ASSIGN_OR_RETURN(PullResult r, client->Pull(params[p].ptrs));
+    absl::StatusOr<PullResult> pulled = client->Pull(params[p].ptrs);
+    if (!pulled.ok()) return InCall(pulled.status(), "the pull", step + 1);
+    const PullResult& r = *pulled;
     pull_s += Seconds(t);
     read_version = r.max_version;
     return absl::OkStatus();

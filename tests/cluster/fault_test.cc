@@ -94,8 +94,10 @@ TEST_F(FaultTest, KilledShardEndsTheWorkerWithAnErrorNamingIt) {
   const int code = Reap(worker, std::chrono::seconds(180));
   const std::string log = ReadFile(WorkerLog(0));
   EXPECT_EQ(code, 1) << log;
-  EXPECT_THAT(log, ContainsRegex(absl::StrCat("\nworker: UNAVAILABLE: ps shard 1 \\(",
-                                              cluster.ps[1], "\\): .* \\(gave up after")));
+  // The call and the step it failed in, then the shard.
+  EXPECT_THAT(log, ContainsRegex(absl::StrCat(
+                       "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+: ps shard 1 \\(",
+                       cluster.ps[1], "\\): .* \\(gave up after")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);
 }
@@ -117,8 +119,8 @@ TEST_F(FaultTest, FrozenShardEndsTheWorkerAfterItsDeadlines) {
   ::kill(ps_[1], SIGCONT);
   const std::string log = ReadFile(WorkerLog(0));
   EXPECT_EQ(code, 1) << log;
-  EXPECT_THAT(log, ContainsRegex(absl::StrCat("\nworker: (DEADLINE_EXCEEDED|UNAVAILABLE): ps "
-                                              "shard 1 \\(",
+  EXPECT_THAT(log, ContainsRegex(absl::StrCat("\nworker: (DEADLINE_EXCEEDED|UNAVAILABLE): the "
+                                              "(push|pull) of step [0-9]+: ps shard 1 \\(",
                                               cluster.ps[1], "\\)")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);

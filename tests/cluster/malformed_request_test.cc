@@ -559,5 +559,21 @@ TEST_F(MalformedRequestTest, UnparsableRegistrationMessageRegistersNothing) {
   EXPECT_EQ(State(0), State(1));
 }
 
+// A push message that does not decode names its method and its place in
+// the stream, and the push applies nothing.
+TEST_F(MalformedRequestTest, UndecodablePushMessageIsNamedByMethodAndIndex) {
+  PushRequest header;
+  header.mutable_header()->set_worker_id(1);
+  for (const auto& [method, name] :
+       {std::pair{Method::kPush, "Push"}, std::pair{Method::kPushPull, "PushPull"}}) {
+    const CallResult got = Call(channels_[0].get(), method,
+                                {header.SerializeAsString(), std::string(), "\xff\xff\xff"});
+    EXPECT_EQ(got.status.error_code(), grpc::INVALID_ARGUMENT) << name;
+    EXPECT_THAT(got.status.error_message(),
+                ::testing::HasSubstr(absl::StrCat(name, ": message 3 of the stream: malformed")));
+  }
+  EXPECT_EQ(State(0), State(1));
+}
+
 }  // namespace
 }  // namespace psflow

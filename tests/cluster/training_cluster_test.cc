@@ -446,6 +446,9 @@ TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
   auto summary = worker::Train(*model, shard->backend.get(), &client, train, test, options);
   EXPECT_EQ(summary.status().code(), absl::StatusCode::kInternal);
   EXPECT_TRUE(worker::GradientStillHeld(summary.status())) << summary.status();
+  // The error names the call and the step (the third push).
+  EXPECT_THAT(summary.status().message(),
+              ::testing::HasSubstr("the push of step 3: gRPC still holds part of"));
   ASSERT_EQ(client.held.size(), model->variables.size());
   ASSERT_EQ(client.held_values.size(), model->variables.size());
   bool any_nonzero = false;
