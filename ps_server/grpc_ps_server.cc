@@ -106,6 +106,7 @@ absl::Status CheckUnixSocketFree(const std::string& address, int shard_index) {
 // the same bind, done here, with its errno and what that usually means.
 // "" when the bind works now.
 std::string ListenFailureReason(const std::string& address) {
+  if (absl::StartsWith(address, "unix-abstract:")) return "";  // gRPC's log says why
   auto with_hint = [](int error, absl::string_view hint) {
     return absl::StrCat(std::strerror(error), hint.empty() ? "" : " (", hint,
                         hint.empty() ? "" : ")");
