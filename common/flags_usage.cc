@@ -12,6 +12,7 @@
 
 #include "absl/flags/commandlineflag.h"
 #include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/program_name.h"
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
@@ -29,6 +30,13 @@ void SetUsage(const char* usage, const char* main_file) {
   absl::FlagsUsageConfig config;
   config.contains_help_flags = [](absl::string_view path) { return absl::EndsWith(path, *file); };
   config.contains_helpshort_flags = config.contains_help_flags;
+  // Abseil's own says only whether *it* was built with NDEBUG.
+  config.version_string = [] {
+    return absl::StrCat(absl::flags_internal::ShortProgramInvocationName(), " (psflow ",
+                        PSFLOW_VERSION, ", ", PSFLOW_BUILD_TYPE, " build)\nbuilt with gRPC ",
+                        PSFLOW_GRPC_VERSION, ", Protocol Buffers ", PSFLOW_PROTOBUF_VERSION,
+                        ", Abseil ", PSFLOW_ABSL_VERSION, "\n");
+  };
   absl::SetFlagsUsageConfig(config);
 }
 

@@ -159,12 +159,16 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
 }
 
 // --help lists the binary's own flags and exits 0 (Debian's Abseil exits
-// 1 after printing it); a bad flag value still exits 1.
+// 1 after printing it), as does --version; a bad flag value still exits 1.
 TEST_F(MultiProcessTest, HelpListsTheFlagsAndExitsZero) {
   const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
       {{PSFLOW_PS_SERVER_BIN, "--help"}, {"ps_server --port=2222", "--optimizer", "--beta_1"}},
       {{PSFLOW_PS_SERVER_BIN, "--helpfull"}, {"--max_chunk_bytes", "--flagfile"}},
       {{PSFLOW_WORKER_BIN, "--help"}, {"worker --ps_hosts=", "--fused_push_pull"}},
+      // psflow's version and libraries, not Abseil's "Debug build (NDEBUG
+      // not #defined)", which described Debian's Abseil.
+      {{PSFLOW_PS_SERVER_BIN, "--version"}, {"ps_server (psflow 0.", "built with gRPC 1."}},
+      {{PSFLOW_WORKER_BIN, "--version"}, {"worker (psflow 0.", "Protocol Buffers 3."}},
   };
   for (const auto& [argv, expected] : cases) {
     const auto [code, out] = RunToEnd(argv);
