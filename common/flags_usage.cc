@@ -17,6 +17,7 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -32,8 +33,10 @@ void SetUsage(const char* usage, const char* main_file) {
   config.contains_helpshort_flags = config.contains_help_flags;
   // Abseil's own says only whether *it* was built with NDEBUG.
   config.version_string = [] {
+    const absl::string_view build_type = PSFLOW_BUILD_TYPE;
     return absl::StrCat(absl::flags_internal::ShortProgramInvocationName(), " (psflow ",
-                        PSFLOW_VERSION, ", ", PSFLOW_BUILD_TYPE, " build)\nbuilt with gRPC ",
+                        PSFLOW_VERSION, build_type.empty() ? "" : ", ", build_type,
+                        build_type.empty() ? "" : " build", ")\nbuilt with gRPC ",
                         PSFLOW_GRPC_VERSION, ", Protocol Buffers ", PSFLOW_PROTOBUF_VERSION,
                         ", Abseil ", PSFLOW_ABSL_VERSION, "\n");
   };
@@ -85,11 +88,8 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
       if (name == "undefok" && eq == absl::string_view::npos) ++i;  // its value
       continue;
     }
-    if (std::find(undefok.begin(), undefok.end(), name) != undefok.end() ||
-        (absl::StartsWith(name, "no") &&
-         std::find(undefok.begin(), undefok.end(), name.substr(2)) != undefok.end())) {
-      continue;  // Abseil ignores it (and its value, given as --name=value)
-    }
+    // A defined flag is parsed whether or not --undefok lists it, its
+    // value included ("--apply_threads -1").
     const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr && absl::StartsWith(name, "no")) {
       const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
@@ -98,6 +98,11 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
     if (flag != nullptr) {
       if (eq == absl::string_view::npos && !IsBool(flag)) ++i;  // "--name value"
       continue;
+    }
+    if (std::find(undefok.begin(), undefok.end(), name) != undefok.end() ||
+        (absl::StartsWith(name, "no") &&
+         std::find(undefok.begin(), undefok.end(), name.substr(2)) != undefok.end())) {
+      continue;  // Abseil ignores it (and its value, given as --name=value)
     }
     // The closest defined flag, if it is close at all.
     std::string closest;
@@ -170,14 +175,23 @@ std::string BadValueProblem(int argc, char** argv) {
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
       const std::string expected = ExpectedValue(*flag);
+      absl::string_view digits = value;
+      absl::ConsumePrefix(&digits, "-") || absl::ConsumePrefix(&digits, "+");
+      if (expected == "a whole number" && !digits.empty() &&
+          std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit)) {
+        return absl::StrCat("--", name, "=", value, " is out of range for this flag",
+                            Default(*flag));
+      }
       if (!expected.empty()) {
         return absl::StrCat("--", name, "=", value, " is not ", expected, Default(*flag));
       }
-      // Abseil's "Illegal value ... specified for flag ...; <why>": the why.
-      const size_t why = error.find("; ");
-      return absl::StrCat("--", name, "=", value, " is not valid",
-                          why == std::string::npos ? "" : ": ",
-                          why == std::string::npos ? "" : error.substr(why + 2), Default(*flag));
+      // Abseil's "Illegal value '<value>' specified for flag '<name>'; <why>":
+      // the why, found after the flag's name (the value may hold "; ").
+      const std::string lead = absl::StrCat("for flag '", name, "'; ");
+      const size_t why = error.find(lead);
+      return absl::StrCat(
+          "--", name, "=", value, " is not valid", why == std::string::npos ? "" : ": ",
+          why == std::string::npos ? "" : error.substr(why + lead.size()), Default(*flag));
     }
   }
   return "";

@@ -129,6 +129,9 @@ std::string ListenFailureReason(const std::string& address) {
     if (::access(dir.c_str(), W_OK | X_OK) != 0) {
       return with_hint(errno, absl::StrCat("the shard must be able to create files in ", dir));
     }
+    if (::lstat(path.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode)) {
+      return absl::StrCat(path, " exists and is not a socket (the shard replaces only a socket)");
+    }
     return "";
   }
   // host:port or [ipv6]:port, as gRPC reads it.
@@ -149,23 +152,28 @@ std::string ListenFailureReason(const std::string& address) {
       e != 0) {
     return absl::StrCat("cannot resolve ", host.empty() ? address : host, ": ", ::gai_strerror(e));
   }
-  std::string reason;
-  for (const addrinfo* a = found; a != nullptr && reason.empty(); a = a->ai_next) {
+  // gRPC fails only where every address fails; a port in use, the likely
+  // cause, is named before any other address's error.
+  int first_error = 0;
+  bool in_use = false;
+  for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
     const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC does
     if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0) {
-      const int error = errno;
-      reason = with_hint(error, error == EADDRINUSE      ? "another process listens on that port"
-                                : error == EADDRNOTAVAIL ? "not an address of this machine"
-                                : error == EACCES        ? "ports below 1024 need privileges"
-                                                         : "");
+      if (errno == EADDRINUSE) in_use = true;
+      if (first_error == 0) first_error = errno;
     }
     ::close(fd);
   }
   ::freeaddrinfo(found);
-  return reason;
+  const int error = in_use ? EADDRINUSE : first_error;
+  if (error == 0) return "";
+  return with_hint(error, error == EADDRINUSE      ? "another process listens on that port"
+                          : error == EADDRNOTAVAIL ? "not an address of this machine"
+                          : error == EACCES        ? "ports below 1024 need privileges"
+                                                   : "");
 }
 
 }  // namespace

@@ -145,10 +145,10 @@ absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
   }
 }
 
-// `status` with the call and the step it failed in before its message;
+// `status` with the call that failed (and its step) before its message;
 // its code and payloads (GradientStillHeld) kept.
-absl::Status InCall(const absl::Status& status, absl::string_view call, int64_t step) {
-  absl::Status out(status.code(), absl::StrCat(call, " of step ", step, ": ", status.message()));
+absl::Status InCall(const absl::Status& status, absl::string_view call) {
+  absl::Status out(status.code(), absl::StrCat(call, ": ", status.message()));
   status.ForEachPayload(
       [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
   return out;
@@ -283,15 +283,20 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   double push_s = 0, pull_s = 0, push_pull_s = 0;
   int64_t read_version = read.max_version;
   // Pushes grads[g] and pulls into params[p]; an error says which call of
-  // which step (counted from 1, as the progress lines count) failed.
-  auto communicate = [&](int g, int p, int64_t step) -> absl::Status {
+  // which step failed ("the push of step S (epoch E, batch B)", counted
+  // from 1, B as the progress line counts).
+  auto communicate = [&](int g, int p, int64_t step, int epoch, int64_t batch) -> absl::Status {
+    auto in_call = [&](const absl::Status& status, absl::string_view call) {
+      return InCall(status, absl::StrCat(call, " of step ", step + 1, " (epoch ", epoch + 1,
+                                         ", batch ", batch + 1, ")"));
+    };
     absl::Time t = absl::Now();
     if (options.fused_push_pull) {
       absl::StatusOr<PullResult> r =
           client->PushPull(grads[g].cptrs, {step, read_version}, params[p].ptrs);
       if (!r.ok()) {
         if (GradientStillHeld(r.status())) keep_grads.held = true;
-        return InCall(r.status(), "the push and pull (PushPull)", step + 1);
+        return in_call(r.status(), "the push and pull (PushPull)");
       }
       push_pull_s += Seconds(t);
       read_version = r->max_version;
@@ -299,12 +304,12 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     }
     if (absl::Status pushed = client->Push(grads[g].cptrs, {step, read_version}); !pushed.ok()) {
       if (GradientStillHeld(pushed)) keep_grads.held = true;
-      return InCall(pushed, "the push", step + 1);
+      return in_call(pushed, "the push");
     }
     push_s += Seconds(t);
     t = absl::Now();
     absl::StatusOr<PullResult> pulled = client->Pull(params[p].ptrs);
-    if (!pulled.ok()) return InCall(pulled.status(), "the pull", step + 1);
+    if (!pulled.ok()) return in_call(pulled.status(), "the pull");
     const PullResult& r = *pulled;
     pull_s += Seconds(t);
     read_version = r.max_version;
@@ -340,7 +345,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
       summary.wait_comm_s += Seconds(t);
       // Push this gradient; pull into the buffer this step used. The next
       // step uses the other buffer, which the previous job filled.
-      comm.Start([&, cur, s = step] { return communicate(cur, cur, s); });
+      comm.Start([&, cur, s = step, e = epoch, b = epoch_steps] {
+        return communicate(cur, cur, s, e, b);
+      });
       if (!options.overlap) {
         t = absl::Now();
         PSFLOW_RETURN_IF_ERROR(comm.Wait());

@@ -95,9 +95,11 @@ TEST_F(FaultTest, KilledShardEndsTheWorkerWithAnErrorNamingIt) {
   const std::string log = ReadFile(WorkerLog(0));
   EXPECT_EQ(code, 1) << log;
   // The call and the step it failed in, then the shard.
-  EXPECT_THAT(log, ContainsRegex(absl::StrCat(
-                       "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+: ps shard 1 \\(",
-                       cluster.ps[1], "\\): .* \\(gave up after")));
+  EXPECT_THAT(log,
+              ContainsRegex(absl::StrCat(
+                  "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, batch "
+                  "[0-9]+\\): ps shard 1 \\(",
+                  cluster.ps[1], "\\): .* \\(gave up after")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);
 }
@@ -119,9 +121,11 @@ TEST_F(FaultTest, FrozenShardEndsTheWorkerAfterItsDeadlines) {
   ::kill(ps_[1], SIGCONT);
   const std::string log = ReadFile(WorkerLog(0));
   EXPECT_EQ(code, 1) << log;
-  EXPECT_THAT(log, ContainsRegex(absl::StrCat("\nworker: (DEADLINE_EXCEEDED|UNAVAILABLE): the "
-                                              "(push|pull) of step [0-9]+: ps shard 1 \\(",
-                                              cluster.ps[1], "\\)")));
+  EXPECT_THAT(log,
+              ContainsRegex(absl::StrCat(
+                  "\nworker: (DEADLINE_EXCEEDED|UNAVAILABLE): the "
+                  "(push|pull) of step [0-9]+ \\(epoch [0-9]+, batch [0-9]+\\): ps shard 1 \\(",
+                  cluster.ps[1], "\\)")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);
   ExpectShardStopsCleanly(1);

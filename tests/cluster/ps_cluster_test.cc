@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -1664,6 +1665,8 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
   first.address = "127.0.0.1:0";
   auto running = PsServer::Start(first);
   ASSERT_TRUE(running.ok()) << running.status();
+  const std::string not_a_socket = ::testing::TempDir() + "/ps_cluster_test_not_a_socket";
+  { std::ofstream(not_a_socket) << "data"; }
   struct Case {
     std::string address;
     std::string want;
@@ -1674,6 +1677,7 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
       {"unix:/nonexistent-psflow-dir/ps.sock",
        "No such file or directory (the socket's directory /nonexistent-psflow-dir must exist)"},
       {"no-such-host.invalid:2222", "cannot resolve no-such-host.invalid: "},
+      {"unix:" + not_a_socket, not_a_socket + " exists and is not a socket"},
   };
   for (const Case& c : cases) {
     PsServerOptions options;
@@ -1685,6 +1689,7 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
                 HasSubstr(absl::StrCat("could not listen on ", c.address, ": ", c.want)));
   }
   (*running)->Shutdown();
+  std::remove(not_a_socket.c_str());
 }
 
 TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {

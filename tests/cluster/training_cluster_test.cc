@@ -448,7 +448,7 @@ TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
   EXPECT_TRUE(worker::GradientStillHeld(summary.status())) << summary.status();
   // The error names the call and the step (the third push).
   EXPECT_THAT(summary.status().message(),
-              ::testing::HasSubstr("the push of step 3: gRPC still holds part of"));
+              ::testing::HasSubstr("the push of step 3 (epoch 1, batch 3): gRPC still holds"));
   ASSERT_EQ(client.held.size(), model->variables.size());
   ASSERT_EQ(client.held_values.size(), model->variables.size());
   bool any_nonzero = false;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -59,6 +60,8 @@ TEST(UnknownFlagProblemTest, NamesTheFlagAndTheClosestOne) {
 
 TEST(UnknownFlagProblemTest, AcceptsEveryFormAbseilParses) {
   EXPECT_EQ(Problem({}), "");
+  // A defined flag that --undefok also lists is parsed, its value too.
+  EXPECT_EQ(Problem({"--undefok=learning_rate", "--learning_rate", "-0.5"}), "");
   EXPECT_EQ(Problem({"--optimizer=sgd", "-learning_rate=0.5", "--fused_push_pull"}), "");
   EXPECT_EQ(Problem({"--nofused_push_pull", "--fused_push_pull=false"}), "");
   // The value of a non-bool flag given as the next argument, even if it
@@ -84,7 +87,10 @@ std::string BadValue(std::vector<std::string> args) {
 }
 
 TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
+  absl::FlagSaver restore;  // the check sets the flags it parses
   EXPECT_EQ(BadValue({"--batch_size=64k"}), "--batch_size=64k is not a whole number (default 64)");
+  EXPECT_EQ(BadValue({"--batch_size=99999999999"}),
+            "--batch_size=99999999999 is out of range for this flag (default 64)");
   EXPECT_EQ(BadValue({"--optimizer=sgd", "--batch_size", "12x"}),
             "--batch_size=12x is not a whole number (default 64)");
   EXPECT_EQ(BadValue({"-learning_rate=fast"}),
@@ -96,14 +102,13 @@ TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
 }
 
 TEST(BadValueProblemTest, AcceptsGoodValuesAndLeavesOthersToTheirChecks) {
+  absl::FlagSaver restore;
   EXPECT_EQ(BadValue({}), "");
   EXPECT_EQ(BadValue({"--batch_size=32", "--learning_rate", "-0.5", "--fused_push_pull",
                       "--nofused_push_pull", "--optimiser=x", "--helpfull"}),
             "");
   EXPECT_EQ(absl::GetFlag(FLAGS_batch_size), 32);  // parsed as the real parse will
   EXPECT_EQ(BadValue({"--", "--batch_size=x"}), "");
-  absl::SetFlag(&FLAGS_batch_size, 64);
-  absl::SetFlag(&FLAGS_learning_rate, 0.1);
 }
 
 }  // namespace

@@ -197,6 +197,11 @@ absl::StatusOr<std::string> ResolveSpec(const std::string& spec) {
                                                      "\" is larger than ", kMaxSpecFileBytes,
                                                      " bytes; expected a model spec"));
     }
+    if (file.bad()) {  // a read error, not the end: the text is cut short
+      return absl::DataLossError(absl::StrCat("model spec file \"", path,
+                                              "\" could not be read to its end after ", text.size(),
+                                              " bytes"));
+    }
     return text;
   }
   return spec;

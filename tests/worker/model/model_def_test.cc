@@ -179,6 +179,12 @@ TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
   EXPECT_EQ(through_file.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(through_file.status().message(), HasSubstr("cannot be read: Not a directory"));
 
+  // A read that fails part way (here EIO from the first byte) is no
+  // shorter spec.
+  auto unreadable = ParseModel("@/proc/self/mem", kMnist);
+  EXPECT_EQ(unreadable.status().code(), absl::StatusCode::kDataLoss) << unreadable.status();
+  EXPECT_THAT(unreadable.status().message(), HasSubstr("could not be read to its end"));
+
   // An error in a spec file names the file and the line.
   {
     std::ofstream f(path);
