@@ -58,46 +58,80 @@ bool IsAbseilFlag(absl::string_view name) {
   return false;
 }
 
-}  // namespace
+// One "--name[=value]" of the command line (or "-name"), with its value:
+// after '=', else the next argument where Abseil takes that as the value
+// (a defined flag that is not a bool, and --undefok), else none.
+struct FlagArg {
+  absl::string_view name;
+  std::optional<absl::string_view> value;
+};
 
-std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
-  // Names that --undefok=a,b lets Abseil ignore (a launcher may pass one
-  // set of flags to every binary).
-  std::vector<std::string> undefok;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "--") break;
-    if (!absl::ConsumePrefix(&arg, "--")) absl::ConsumePrefix(&arg, "-");
-    if (arg == "undefok" && i + 1 < argc) {
-      arg = argv[++i];
-    } else if (!absl::ConsumePrefix(&arg, "undefok=")) {
-      continue;
-    }
-    for (absl::string_view name : absl::StrSplit(arg, ',', absl::SkipEmpty())) {
-      undefok.emplace_back(name);
-    }
-  }
+// The flags of argv up to "--", as Abseil reads them; positional
+// arguments left out.
+std::vector<FlagArg> FlagArgs(int argc, char** argv) {
+  std::vector<FlagArg> args;
   for (int i = 1; i < argc; ++i) {
     absl::string_view arg = argv[i];
     if (arg == "--") break;
     if (arg.size() < 2 || arg[0] != '-') continue;  // a positional argument
     arg.remove_prefix(arg[1] == '-' ? 2 : 1);
     const size_t eq = arg.find('=');
-    const absl::string_view name = arg.substr(0, eq);
-    if (IsAbseilFlag(name)) {
-      if (name == "undefok" && eq == absl::string_view::npos) ++i;  // its value
-      continue;
+    FlagArg flag_arg{arg.substr(0, eq), std::nullopt};
+    if (eq != absl::string_view::npos) {
+      flag_arg.value = arg.substr(eq + 1);
+    } else if (i + 1 < argc) {
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(flag_arg.name);
+      if (flag_arg.name == "undefok" || (flag != nullptr && !IsBool(flag))) {
+        flag_arg.value = argv[++i];  // "--name value"
+      }
     }
-    // A defined flag is parsed whether or not --undefok lists it, its
-    // value included ("--apply_threads -1").
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    if (flag == nullptr && absl::StartsWith(name, "no")) {
+    args.push_back(flag_arg);
+  }
+  return args;
+}
+
+// What a value of `flag`'s type looks like, for an error message.
+std::string ExpectedValue(const absl::CommandLineFlag& flag) {
+  if (flag.IsOfType<bool>()) return "true or false";
+  if (flag.IsOfType<int>() || flag.IsOfType<int64_t>() || flag.IsOfType<int32_t>() ||
+      flag.IsOfType<uint32_t>() || flag.IsOfType<uint64_t>() ||
+      flag.IsOfType<std::optional<int>>() || flag.IsOfType<std::optional<int64_t>>()) {
+    return "a whole number";
+  }
+  if (flag.IsOfType<double>() || flag.IsOfType<float>() || flag.IsOfType<std::optional<double>>()) {
+    return "a number";
+  }
+  if (flag.IsOfType<std::vector<std::string>>()) return "a comma-separated list";
+  return "";  // Abseil's parser says what it wanted
+}
+
+// " (default D)", or "" where the default is empty or unset.
+std::string Default(const absl::CommandLineFlag& flag) {
+  const std::string d = flag.DefaultValue();
+  return d.empty() ? "" : absl::StrCat(" (default ", d, ")");
+}
+
+}  // namespace
+
+std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
+  const std::vector<FlagArg> args = FlagArgs(argc, argv);
+  // Names that --undefok=a,b lets Abseil ignore (a launcher may pass one
+  // set of flags to every binary).
+  std::vector<std::string> undefok;
+  for (const FlagArg& arg : args) {
+    if (arg.name != "undefok" || !arg.value) continue;
+    for (absl::string_view name : absl::StrSplit(*arg.value, ',', absl::SkipEmpty())) {
+      undefok.emplace_back(name);
+    }
+  }
+  for (const FlagArg& arg : args) {
+    const absl::string_view name = arg.name;
+    if (IsAbseilFlag(name)) continue;
+    // A defined flag is parsed whether or not --undefok lists it.
+    if (absl::FindCommandLineFlag(name) != nullptr) continue;
+    if (absl::StartsWith(name, "no") && !arg.value) {
       const absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
-      if (negated != nullptr && IsBool(negated) && eq == absl::string_view::npos) continue;
-    }
-    if (flag != nullptr) {
-      if (eq == absl::string_view::npos && !IsBool(flag)) ++i;  // "--name value"
-      continue;
+      if (negated != nullptr && IsBool(negated)) continue;
     }
     if (std::find(undefok.begin(), undefok.end(), name) != undefok.end() ||
         (absl::StartsWith(name, "no") &&
@@ -123,54 +157,19 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
   return "";
 }
 
-namespace {
-
-// What a value of `flag`'s type looks like, for an error message.
-std::string ExpectedValue(const absl::CommandLineFlag& flag) {
-  if (flag.IsOfType<bool>()) return "true or false";
-  if (flag.IsOfType<int>() || flag.IsOfType<int64_t>() || flag.IsOfType<int32_t>() ||
-      flag.IsOfType<uint32_t>() || flag.IsOfType<uint64_t>() ||
-      flag.IsOfType<std::optional<int>>() || flag.IsOfType<std::optional<int64_t>>()) {
-    return "a whole number";
-  }
-  if (flag.IsOfType<double>() || flag.IsOfType<float>() || flag.IsOfType<std::optional<double>>()) {
-    return "a number";
-  }
-  if (flag.IsOfType<std::vector<std::string>>()) return "a comma-separated list";
-  return "";  // Abseil's parser says what it wanted
-}
-
-// " (default D)", or "" where the default is empty or unset.
-std::string Default(const absl::CommandLineFlag& flag) {
-  const std::string d = flag.DefaultValue();
-  return d.empty() ? "" : absl::StrCat(" (default ", d, ")");
-}
-
-}  // namespace
-
 std::string BadValueProblem(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "--") break;
-    if (arg.size() < 2 || arg[0] != '-') continue;
-    arg.remove_prefix(arg[1] == '-' ? 2 : 1);
-    const size_t eq = arg.find('=');
-    const absl::string_view name = arg.substr(0, eq);
+  for (const FlagArg& arg : FlagArgs(argc, argv)) {
+    const absl::string_view name = arg.name;
     if (IsAbseilFlag(name)) continue;  // Abseil's own, checked by Abseil
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr || flag->IsRetired()) continue;  // --noname, or unknown: not ours here
-    std::string value;
-    if (eq != absl::string_view::npos) {
-      value = std::string(arg.substr(eq + 1));
-    } else if (IsBool(flag)) {
-      continue;
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
+    if (!arg.value) {
+      if (IsBool(flag)) continue;
       const std::string expected = ExpectedValue(*flag);
       return absl::StrCat("--", name, " needs a value: --", name, "=VALUE",
                           expected.empty() ? "" : ", ", expected, Default(*flag));
     }
+    const std::string value(*arg.value);
     // Parsing sets the flag, as the parse that follows would anyway.
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
