@@ -29,6 +29,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "common/grpc_args.h"
+#include "common/grpc_log.h"
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
 #include "common/process_stats.h"
@@ -1218,19 +1219,28 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   const GrpcArgs args = OverrideGrpcArgs(std::move(defaults), options.grpc_args);
   builder.SetOption(GrpcArgsOption(args));
   if (options.interceptors) builder.experimental().SetInterceptorCreators(options.interceptors());
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr) {
-    const std::string reason = ListenFailureReason(options.address);
-    return absl::UnavailableError(absl::StrCat(
-        "ps shard ", options.store.shard_index, " could not listen on ", options.address, ": ",
-        reason.empty() ? "gRPC refused it (its log above says why)" : reason));
-  }
   const bool is_unix = absl::StartsWith(options.address, "unix:");
-  if (!is_unix && port == 0) {
-    const std::string reason = ListenFailureReason(options.address);
+  std::string failure;  // why the shard could not listen
+  {
+    // gRPC logs a failed bind as a kilobyte of nested errors; where the
+    // shard finds the reason itself, its one line replaces what gRPC
+    // logged on this thread while starting the server.
+    GrpcLogHold hold;
+    server->server_ = builder.BuildAndStart();
+    if (server->server_ == nullptr || (!is_unix && port == 0)) {
+      failure = ListenFailureReason(options.address);
+      if (!failure.empty()) {
+        hold.DropOwnLines();
+      } else {
+        failure = server->server_ == nullptr ? "gRPC refused it (its log above says why)"
+                                             : "gRPC bound no port";
+      }
+    }
+  }
+  if (!failure.empty()) {
     return absl::UnavailableError(absl::StrCat("ps shard ", options.store.shard_index,
                                                " could not listen on ", options.address, ": ",
-                                               reason.empty() ? "gRPC bound no port" : reason));
+                                               failure));
   }
   server->port_ = is_unix ? 0 : port;
   if (auto* health = server->server_->GetHealthCheckService()) {
