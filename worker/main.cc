@@ -181,9 +181,17 @@ int main(int argc, char** argv) {
     if (!existed) std::filesystem::remove(path, error);
   }
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "this process's task is \"", cluster->task_type,
-        "\"; the worker binary runs \"worker\" or \"chief\" tasks")));
+    // What to do instead, for the task types a TensorFlow job has.
+    std::string hint;
+    if (cluster->task_type == "ps") hint = " (a ps task runs ps_server)";
+    if (cluster->task_type == "evaluator") {
+      hint =
+          " (psflow has no evaluator task yet: leave it out of the job; the chief evaluates on "
+          "the test set after every epoch)";
+    }
+    return Fail(absl::InvalidArgumentError(
+        absl::StrCat("this process's task is \"", cluster->task_type,
+                     "\"; the worker binary runs \"worker\" or \"chief\" tasks", hint)));
   }
   if (cluster->ps.empty()) {
     return Fail(absl::InvalidArgumentError("the cluster lists no ps tasks (--ps_hosts or "
