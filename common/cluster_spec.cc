@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "common/edit_distance.h"
 #include "common/status_macros.h"
 #include "google/protobuf/struct.pb.h"
@@ -532,6 +533,35 @@ int ClusterSpec::replica_index() const {
 
 bool ClusterSpec::is_chief() const {
   return task_type == "chief" || (task_type == "worker" && task_index == 0 && chief.empty());
+}
+
+namespace {
+
+// The machine an address names, for comparing two of them: its host in
+// lower case, and one name for all of this machine's own (loopback
+// addresses, "localhost", unix sockets).
+std::string MachineOf(absl::string_view address) {
+  if (absl::StartsWith(address, "unix:")) return "<this machine>";
+  absl::string_view host = address.substr(0, address.rfind(':'));
+  if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
+  const std::string lower = absl::AsciiStrToLower(host);
+  if (lower == "localhost" || lower == "::1" || absl::StartsWith(lower, "127.")) {
+    return "<this machine>";
+  }
+  return lower;
+}
+
+}  // namespace
+
+int ClusterSpec::local_replicas() const {
+  const absl::StatusOr<std::string> own = task_address();
+  if (!own.ok()) return 1;
+  const std::string machine = MachineOf(*own);
+  int n = 0;
+  for (const std::vector<std::string>* list : {&chief, &worker}) {
+    for (const std::string& address : *list) n += MachineOf(address) == machine ? 1 : 0;
+  }
+  return std::max(n, 1);
 }
 
 const std::vector<std::string>* ClusterSpec::job(std::string_view name) const {

@@ -57,6 +57,12 @@ struct ClusterSpec {
   // This task's index among the training replicas: the chief is 0, worker i
   // is i + chief.size(); -1 for ps and evaluator tasks.
   int replica_index() const;
+  // Training replicas (chief and workers) on this task's machine: those
+  // whose host is this task's, with "localhost", loopback addresses and unix
+  // sockets all counted as one machine. At least 1 (also for a task without
+  // an address in the cluster).
+  // (A host named two ways, e.g. by name and by address, counts as two.)
+  int local_replicas() const;
   // The chief, or worker 0 when no chief is listed: it registers variables,
   // decides checkpoints and runs evaluation.
   bool is_chief() const;

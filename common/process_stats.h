@@ -1,5 +1,5 @@
-// Process-level numbers the servers report and respect: resident memory and
-// the memory this process may use.
+// Process-level numbers the servers report and respect: resident memory, and
+// the memory and the cores this process may use.
 #ifndef PSFLOW_COMMON_PROCESS_STATS_H_
 #define PSFLOW_COMMON_PROCESS_STATS_H_
 
@@ -19,6 +19,12 @@ int64_t PeakResidentBytes();
 // `memory.max`, or v1 `memory.limit_in_bytes`; a container's or Kubernetes
 // pod's limit). 0 if neither is known.
 int64_t MemoryLimitBytes();
+// The cores this process may keep busy: those its CPU affinity allows
+// (taskset, a cpuset), at most the whole cores of its cgroup's CPU quota
+// (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`; a container's or Kubernetes
+// pod's CPU limit), and at least 1. std::thread::hardware_concurrency counts
+// every core of the machine instead.
+int UsableCores();
 // Keeps large freed buffers in the heap instead of returning them to the OS,
 // so message-sized allocations on the hot path do not page-fault afresh each
 // time (first touch costs ~12 us per 4 KiB page on these machines), and keeps
@@ -30,6 +36,9 @@ namespace internal {
 // for a process whose /proc/self/cgroup reads `proc_self_cgroup`; 0 if there
 // is none. Exposed for tests.
 int64_t CgroupMemoryLimit(const std::string& proc_self_cgroup, const std::string& cgroup_root);
+// The CPU quota in cores (quota / period, e.g. 2.5) found the same way, the
+// smallest on the way up; 0 if there is none.
+double CgroupCpuLimit(const std::string& proc_self_cgroup, const std::string& cgroup_root);
 }  // namespace internal
 
 }  // namespace psflow

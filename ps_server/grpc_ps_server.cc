@@ -1188,7 +1188,7 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   PSFLOW_ASSIGN_OR_RETURN(server->store_, VariableStore::Create(options.store));
   // By default the pipeline runs where there are cores to spare for it; on
   // 1-3 cores the hand-off between threads costs more than the overlap gains.
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  const int cores = UsableCores();
   const int apply_threads =
       options.apply_threads >= 0 ? options.apply_threads : (cores >= 4 ? std::min(cores, 16) : 0);
   server->service_ = std::make_unique<Service>(server->store_.get(), options.threads, apply_threads,

@@ -20,6 +20,7 @@
 #include "common/grpc_status.h"
 #include "common/grpc_wire.h"
 #include "common/parallel_for.h"
+#include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "common/tensor_checks.h"
 #include "grpcpp/grpcpp.h"
@@ -180,8 +181,7 @@ class GrpcPsClient final : public PsClient {
   GrpcPsClient(PartitionPlan plan, const GrpcPsClientOptions& options)
       : plan_(std::move(plan)),
         options_(options),
-        scan_threads_(std::clamp<int>(static_cast<int>(std::thread::hardware_concurrency()), 1,
-                                      kMaxScanThreads)),
+        scan_threads_(std::clamp<int>(UsableCores(), 1, kMaxScanThreads)),
         push_retry_(std::make_shared<const RetryOptions>(
             PushRetryOptions(options, options.request_id_retention, ""))),
         shards_(plan_.num_shards()) {

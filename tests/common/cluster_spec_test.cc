@@ -90,6 +90,30 @@ TEST(ClusterSpecTest, WorkerZeroIsChiefWhenNoChiefIsListed) {
   EXPECT_EQ(w1.num_replicas(), 2);
 }
 
+// The worker's default --threads shares the cores among the training
+// processes on its machine: all of README's hand-started cluster on
+// localhost, one per pod in a TFJob.
+TEST(ClusterSpecTest, LocalReplicasCountTheTrainingTasksOnThisTasksMachine) {
+  const std::string cluster =
+      R"({"cluster":{"chief":["localhost:2"],"worker":["127.0.0.1:3","unix:/tmp/w1","[::1]:4",)"
+      R"("Other-Host:5","other-host:6"],"ps":["localhost:1","localhost:7"]},"task":)";
+  // Loopback names, addresses and unix sockets are one machine; ps tasks
+  // do not count.
+  EXPECT_EQ(MustParse(cluster + R"({"type":"chief","index":0}})").local_replicas(), 4);
+  EXPECT_EQ(MustParse(cluster + R"({"type":"worker","index":1}})").local_replicas(), 4);
+  // Host names compare without case.
+  EXPECT_EQ(MustParse(cluster + R"({"type":"worker","index":3}})").local_replicas(), 2);
+  // A TFJob: every replica in a pod of its own.
+  const ClusterSpec pod =
+      MustParse(R"({"cluster":{"worker":["job-worker-0.ns.svc:2222","job-worker-1.ns.svc:2222"],)"
+                R"("ps":["job-ps-0.ns.svc:2222"]},"task":{"type":"worker","index":1}})");
+  EXPECT_EQ(pod.local_replicas(), 1);
+  // A ps task counts the training tasks on its machine; an evaluator
+  // outside the cluster has no address to compare: 1.
+  EXPECT_EQ(MustParse(cluster + R"({"type":"ps","index":0}})").local_replicas(), 4);
+  EXPECT_EQ(MustParse(cluster + R"({"type":"evaluator","index":0}})").local_replicas(), 1);
+}
+
 TEST(ClusterSpecTest, MasterIsReadAsChief) {
   const ClusterSpec spec =
       MustParse(R"({"cluster":{"master":["m:2222"],"worker":["w:2222"],"ps":["p:2222"]},)"

@@ -1,7 +1,9 @@
-// The memory limit a shard derives its default --max_variable_bytes from:
-// cgroup v2 and v1 files laid out in a temporary directory.
+// The memory limit a shard derives its default --max_variable_bytes from,
+// and the CPU quota the automatic thread counts keep to: cgroup v2 and v1
+// files laid out in a temporary directory.
 #include "common/process_stats.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -61,6 +63,60 @@ TEST_F(CgroupLimitTest, NoFilesOrGarbageMeanNoLimit) {
   EXPECT_EQ(internal::CgroupMemoryLimit("not a cgroup line\n", root_), 0);
   Write("a/memory.max", "lots\n");
   EXPECT_EQ(internal::CgroupMemoryLimit("0::/a\n", root_), 0);
+}
+
+// The CPU limit the worker's and the shard's automatic thread counts keep
+// to: a Kubernetes pod's `resources.limits.cpu` of 2500m is a quota of
+// 250000 us per 100000 us period.
+TEST_F(CgroupLimitTest, CpuQuotaV2IsQuotaOverPeriodSmallestOnTheWayUp) {
+  Write("kubepods/pod1/ctr/cpu.max", "max 100000\n");
+  Write("kubepods/pod1/cpu.max", "250000 100000\n");
+  Write("kubepods/cpu.max", "800000 100000\n");
+  EXPECT_DOUBLE_EQ(internal::CgroupCpuLimit("0::/kubepods/pod1/ctr\n", root_), 2.5);
+  EXPECT_DOUBLE_EQ(internal::CgroupCpuLimit("0::/kubepods\n", root_), 8.0);
+  Write("other/cpu.max", "max 100000\n");
+  EXPECT_EQ(internal::CgroupCpuLimit("0::/other\n", root_), 0.0);
+}
+
+TEST_F(CgroupLimitTest, CpuQuotaV1ReadsTheCpuControllerAndIgnoresNoLimit) {
+  // The controller may share its hierarchy with cpuacct.
+  const std::string cgroup = "3:cpu,cpuacct:/job\n4:memory:/job\n0::/\n";
+  Write("cpu/job/cpu.cfs_quota_us", "-1\n");
+  Write("cpu/job/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(internal::CgroupCpuLimit(cgroup, root_), 0.0);
+  Write("cpu/job/cpu.cfs_quota_us", "50000\n");
+  EXPECT_DOUBLE_EQ(internal::CgroupCpuLimit(cgroup, root_), 0.5);
+  // A "cpuset" controller is not "cpu".
+  EXPECT_EQ(internal::CgroupCpuLimit("3:cpuset:/job\n", root_), 0.0);
+}
+
+TEST_F(CgroupLimitTest, CpuQuotaGarbageMeansNoLimit) {
+  EXPECT_EQ(internal::CgroupCpuLimit("0::/a\n", root_), 0.0);
+  Write("a/cpu.max", "lots\n");
+  EXPECT_EQ(internal::CgroupCpuLimit("0::/a\n", root_), 0.0);
+  Write("a/cpu.max", "100000 0\n");
+  EXPECT_EQ(internal::CgroupCpuLimit("0::/a\n", root_), 0.0);
+}
+
+TEST(UsableCoresTest, IsAtLeastOneAndAtMostTheMachine) {
+  const int cores = UsableCores();
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(cores, static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
+}
+
+// As under `taskset -c N`: one core allowed, one counted.
+TEST(UsableCoresTest, KeepsToTheAffinityMask) {
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  const int cores = UsableCores();
+  ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+  EXPECT_EQ(cores, 1);
 }
 
 // The peak is never below the resident size read just before it (the
