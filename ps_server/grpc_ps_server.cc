@@ -1222,15 +1222,15 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   const bool is_unix = absl::StartsWith(options.address, "unix:");
   std::string failure;  // why the shard could not listen
   {
-    // gRPC logs a failed bind as a kilobyte of nested errors; where the
-    // shard finds the reason itself, its one line replaces what gRPC
-    // logged on this thread while starting the server.
+    // gRPC's HTTP/2 server logs a failed bind as a kilobyte of nested
+    // errors; where the shard finds the reason itself, its one line
+    // replaces that.
     GrpcLogHold hold;
     server->server_ = builder.BuildAndStart();
     if (server->server_ == nullptr || (!is_unix && port == 0)) {
       failure = ListenFailureReason(options.address);
       if (!failure.empty()) {
-        hold.DropOwnLines();
+        hold.DropHeldLines();
       } else {
         failure = server->server_ == nullptr ? "gRPC refused it (its log above says why)"
                                              : "gRPC bound no port";

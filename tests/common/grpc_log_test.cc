@@ -14,6 +14,13 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
+// Where gRPC 1.51's HTTP/2 server logs a failed bind.
+constexpr char kChttp2Server[] = "src/core/ext/transport/chttp2/server/chttp2_server.cc";
+
+void LogAsChttp2Server(const char* message) {
+  gpr_log_message(kChttp2Server, 1045, GPR_LOG_SEVERITY_ERROR, message);
+}
+
 // gRPC reads its log verbosity (GRPC_VERBOSITY, ERROR by default) in
 // grpc_init; before it, gpr_log writes nothing.
 class GrpcLogHoldTest : public ::testing::Test {
@@ -22,14 +29,14 @@ class GrpcLogHoldTest : public ::testing::Test {
   void TearDown() override { grpc_shutdown(); }
 };
 
-TEST_F(GrpcLogHoldTest, HeldLinesAreLoggedWhenTheHoldEndsInOrder) {
+TEST_F(GrpcLogHoldTest, HeldLinesAreWrittenWhenTheHoldEndsInOrder) {
   testing::internal::CaptureStderr();
   std::string during;
   {
     GrpcLogHold hold;
-    gpr_log(GPR_ERROR, "first held line");
-    gpr_log(GPR_ERROR, "second held line");
-    EXPECT_EQ(hold.OwnLines(), 2);
+    LogAsChttp2Server("first held line");
+    LogAsChttp2Server("second held line");
+    EXPECT_EQ(hold.HeldLines(), 2);
     during = testing::internal::GetCapturedStderr();
     testing::internal::CaptureStderr();
   }
@@ -40,36 +47,50 @@ TEST_F(GrpcLogHoldTest, HeldLinesAreLoggedWhenTheHoldEndsInOrder) {
   ASSERT_NE(first, std::string::npos) << after;
   ASSERT_NE(second, std::string::npos) << after;
   EXPECT_LT(first, second);
-  // Each keeps the file that logged it.
-  EXPECT_THAT(after, HasSubstr("grpc_log_test.cc:"));
+  // In gRPC's format, with the file and line that logged it.
+  EXPECT_THAT(after, HasSubstr("chttp2_server.cc:1045]"));
+  EXPECT_EQ(after[0], 'E') << after;
 }
 
-TEST_F(GrpcLogHoldTest, DroppedOwnLinesGoButOtherThreadsLinesStay) {
+// Only the bind failure the caller explains goes: other lines of the holding
+// thread, and every line of other threads, are written at once, so that a
+// gRPC assertion that aborts the process is still seen.
+TEST_F(GrpcLogHoldTest, DroppedLinesGoAndEveryOtherLineIsWrittenAtOnce) {
   testing::internal::CaptureStderr();
+  std::string during;
   {
     GrpcLogHold hold;
-    gpr_log(GPR_ERROR, "explained by the caller");
-    std::thread([] { gpr_log(GPR_ERROR, "from another thread"); }).join();
-    EXPECT_EQ(hold.OwnLines(), 1);
-    hold.DropOwnLines();
-    gpr_log(GPR_ERROR, "also explained");
+    LogAsChttp2Server("explained by the caller");
+    gpr_log(GPR_ERROR, "another file, this thread");
+    std::thread([] {
+      gpr_log(GPR_ERROR, "from another thread");
+      LogAsChttp2Server("the server of another thread");
+    }).join();
+    EXPECT_EQ(hold.HeldLines(), 1);
+    during = testing::internal::GetCapturedStderr();
+    testing::internal::CaptureStderr();
+    hold.DropHeldLines();
+    LogAsChttp2Server("also explained");
   }
-  const std::string out = testing::internal::GetCapturedStderr();
-  EXPECT_THAT(out, Not(HasSubstr("explained")));
-  EXPECT_THAT(out, HasSubstr("from another thread"));
+  const std::string after = testing::internal::GetCapturedStderr();
+  EXPECT_THAT(during, HasSubstr("another file, this thread"));
+  EXPECT_THAT(during, HasSubstr("grpc_log_test.cc:"));
+  EXPECT_THAT(during, HasSubstr("from another thread"));
+  EXPECT_THAT(during, HasSubstr("the server of another thread"));
+  EXPECT_THAT(during + after, Not(HasSubstr("explained")));
 }
 
 TEST_F(GrpcLogHoldTest, AfterTheHoldGrpcLogsAsBefore) {
   { GrpcLogHold hold; }
   testing::internal::CaptureStderr();
-  gpr_log(GPR_ERROR, "logged at once");
+  LogAsChttp2Server("logged at once");
   EXPECT_THAT(testing::internal::GetCapturedStderr(), HasSubstr("logged at once"));
   // Holds follow one another.
   testing::internal::CaptureStderr();
   {
     GrpcLogHold hold;
-    gpr_log(GPR_ERROR, "a second hold");
-    hold.DropOwnLines();
+    LogAsChttp2Server("a second hold");
+    hold.DropHeldLines();
   }
   EXPECT_THAT(testing::internal::GetCapturedStderr(), Not(HasSubstr("a second hold")));
 }
