@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -154,12 +155,31 @@ int64_t MemoryLimitBytes() {
   return limit;
 }
 
+namespace {
+
+// An OpenMP runtime told to bind its threads pins the process's first
+// thread to one place as it loads, before main runs (libgomp, which oneDNN
+// uses, does): that thread's affinity mask then no longer says which cores
+// the process may use.
+bool OpenMpBindsThreads() {
+  for (const char* name : {"OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return true;
+  }
+  const char* bind = std::getenv("OMP_PROC_BIND");
+  return bind != nullptr && *bind != '\0' && !absl::EqualsIgnoreCase(bind, "false");
+}
+
+}  // namespace
+
 int UsableCores() {
   int cores = 0;
   cpu_set_t set;
   CPU_ZERO(&set);
   // Fails beyond CPU_SETSIZE (1024) cores: then all of them count.
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  if (!OpenMpBindsThreads() && sched_getaffinity(0, sizeof(set), &set) == 0) {
+    cores = CPU_COUNT(&set);
+  }
   if (cores <= 0) cores = static_cast<int>(std::thread::hardware_concurrency());
   std::ifstream in("/proc/self/cgroup");
   std::stringstream text;

@@ -23,7 +23,9 @@ int64_t MemoryLimitBytes();
 // (taskset, a cpuset), at most the whole cores of its cgroup's CPU quota
 // (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`; a container's or Kubernetes
 // pod's CPU limit), and at least 1. std::thread::hardware_concurrency counts
-// every core of the machine instead.
+// every core of the machine instead. Where OMP_PROC_BIND, OMP_PLACES (or
+// GOMP_CPU_AFFINITY, KMP_AFFINITY) make OpenMP pin the first thread, its
+// mask is not read and every core counts, up to the quota.
 int UsableCores();
 // Keeps large freed buffers in the heap instead of returning them to the OS,
 // so message-sized allocations on the hot path do not page-fault afresh each

@@ -72,8 +72,8 @@ ABSL_FLAG(int, threads, 0,
           "health checks never wait.");
 ABSL_FLAG(int, apply_threads, -1,
           "Threads applying pushed gradients while the next chunks arrive (0 = apply on the "
-          "reading thread; -1 = one per core, at most 16, on 4 or more cores, else 0; at most "
-          "256).");
+          "reading thread; -1 = one per usable core (CPU affinity, the container's CPU limit), "
+          "at most 16, with 4 or more of them, else 0; at most 256).");
 ABSL_FLAG(int, apply_window, 4,
           "With applier threads: messages of one push applied at once, each on its own "
           "element range (1 = one after another, in order).");

@@ -56,8 +56,8 @@ ABSL_FLAG(int64_t, train_steps, 0, "Stop after this many steps of this worker (0
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | reference (auto: cuda if a GPU is visible).");
 ABSL_FLAG(int, threads, 0,
           "CPU threads for compute (0: the usable cores (CPU affinity, the container's CPU "
-          "limit) shared among the cluster's workers on this machine, at least 1; at most "
-          "256).");
+          "limit) shared among the cluster's chief and workers on this machine, at least 1; at "
+          "most 256).");
 ABSL_FLAG(double, gpu_memory_limit_mb, 0, "CUDA: most device memory the worker may take (0: no cap).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial values and the shuffling (same on every worker).");
 ABSL_FLAG(bool, overlap, true, "Overlap push/pull of one step with the compute of the next.");
@@ -76,8 +76,8 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "calls are open and 20000 ms to answer it, also the sockets' TCP_USER_TIMEOUT).");
 ABSL_FLAG(int, ps_streams, 0,
           "Connections per ps shard that each push, pull (or PushPull) is split over, so that "
-          "the shard receives it on several threads; 1 to 64, or 0 = 4 on machines with 8 or "
-          "more cores, else 1.");
+          "the shard receives it on several threads; 1 to 64, or 0 = 4 with 8 or more usable "
+          "cores (CPU affinity, the container's CPU limit), else 1.");
 ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seconds.");
 ABSL_FLAG(double, request_id_retention_s, 900,
           "Seconds the ps shards remember a push's request id (their own "
@@ -152,7 +152,7 @@ int main(int argc, char** argv) {
     // Far more threads than cores crashed in OpenMP (100,000) or failed in
     // oneDNN with a message naming neither.
     return Fail(absl::InvalidArgumentError(absl::StrCat(
-        "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (all cores) to ", kMaxThreads)));
+        "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (automatic) to ", kMaxThreads)));
   }
   if (const double mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb); !(mb >= 0)) {
     return Fail(absl::InvalidArgumentError(

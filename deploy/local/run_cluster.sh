@@ -97,10 +97,6 @@ join() { local IFS=,; echo "$*"; }
 cluster="{\"ps\": [$(join "${ps_list[@]}")], \"worker\": [$(join "${worker_list[@]}")]}"
 tf_config() { echo "{\"cluster\": $cluster, \"task\": {\"type\": \"$1\", \"index\": $2}, \"environment\": \"cloud\"}"; }
 
-# Compute threads per worker: the cores shared among the workers.
-cores=$(nproc)
-threads=$(( cores / NUM_WORKERS )); [ "$threads" -ge 1 ] || threads=1
-
 pids=()
 declare -A role  # pid -> "ps 0", "worker 1", ...
 cleanup() {
@@ -139,15 +135,18 @@ for i in $(seq 0 $((NUM_PS - 1))); do
     exit 1
   fi
 done
+# The workers' compute threads are their default: the cores they may use
+# (affinity, a container's CPU limit) shared among the workers of this
+# machine, NUM_WORKERS here.
 for i in $(seq 0 $((NUM_WORKERS - 1))); do
   if [ "$i" = 0 ]; then
     # The chief's progress goes to the terminal; everyone's to the logs.
     # (tee in a process substitution, so that $! is the worker itself and
     # the cleanup's SIGTERM reaches it.)
-    TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" --threads=$threads \
+    TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" \
       --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 &
   else
-    TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" --threads=$threads \
+    TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 &
   fi
   pids+=($!)

@@ -108,6 +108,7 @@ TEST(UsableCoresTest, IsAtLeastOneAndAtMostTheMachine) {
 TEST(UsableCoresTest, KeepsToTheAffinityMask) {
   cpu_set_t all;
   ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  if (CPU_COUNT(&all) < 2) GTEST_SKIP() << "one core allowed: a mask of one shows nothing";
   int first = 0;
   while (!CPU_ISSET(first, &all)) ++first;
   cpu_set_t one;
@@ -117,6 +118,35 @@ TEST(UsableCoresTest, KeepsToTheAffinityMask) {
   const int cores = UsableCores();
   ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
   EXPECT_EQ(cores, 1);
+}
+
+// libgomp pins the first thread before main when told to bind threads; the
+// mask of that thread must not make the worker think it has one core.
+TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
+  cpu_set_t all;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
+  if (CPU_COUNT(&all) < 2 || CPU_COUNT(&all) != static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
+    GTEST_SKIP() << "needs every core of the machine, at least 2, in this thread's mask";
+  }
+  const int full = UsableCores();
+  int first = 0;
+  while (!CPU_ISSET(first, &all)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
+  setenv("OMP_PROC_BIND", "true", 1);
+  const int bound = UsableCores();
+  setenv("OMP_PROC_BIND", "false", 1);
+  const int not_bound = UsableCores();
+  unsetenv("OMP_PROC_BIND");
+  setenv("OMP_PLACES", "cores", 1);
+  const int placed = UsableCores();
+  unsetenv("OMP_PLACES");
+  ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+  EXPECT_EQ(bound, full);
+  EXPECT_EQ(placed, full);
+  EXPECT_EQ(not_bound, 1);
 }
 
 // The peak is never below the resident size read just before it (the
