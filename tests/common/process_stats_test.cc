@@ -104,46 +104,69 @@ TEST(UsableCoresTest, IsAtLeastOneAndAtMostTheMachine) {
   EXPECT_LE(cores, static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
+// The cores this thread's mask allows now.
+int AllowedCores() {
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+}
+
+// While it lives, this thread may run on the first core of its mask only
+// (as under `taskset -c N`, or after a binding OpenMP runtime pinned it).
+class PinnedToOneCore {
+ public:
+  PinnedToOneCore() {
+    CPU_ZERO(&all_);
+    if (sched_getaffinity(0, sizeof(all_), &all_) != 0) return;
+    int first = 0;
+    while (!CPU_ISSET(first, &all_)) ++first;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    pinned_ = sched_setaffinity(0, sizeof(one), &one) == 0;
+  }
+  ~PinnedToOneCore() {
+    if (pinned_) sched_setaffinity(0, sizeof(all_), &all_);
+  }
+  bool pinned() const { return pinned_; }
+
+ private:
+  cpu_set_t all_;
+  bool pinned_ = false;
+};
+
 // As under `taskset -c N`: one core allowed, one counted.
 TEST(UsableCoresTest, KeepsToTheAffinityMask) {
-  cpu_set_t all;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
-  if (CPU_COUNT(&all) < 2) GTEST_SKIP() << "one core allowed: a mask of one shows nothing";
-  int first = 0;
-  while (!CPU_ISSET(first, &all)) ++first;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(first, &one);
-  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-  const int cores = UsableCores();
-  ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+  if (AllowedCores() < 2) GTEST_SKIP() << "one core allowed: a mask of one shows nothing";
+  int cores = 0;
+  {
+    PinnedToOneCore pin;
+    ASSERT_TRUE(pin.pinned());
+    cores = UsableCores();
+  }
   EXPECT_EQ(cores, 1);
 }
 
 // libgomp pins the first thread before main when told to bind threads; the
 // mask of that thread must not make the worker think it has one core.
 TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
-  cpu_set_t all;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(all), &all), 0);
-  if (CPU_COUNT(&all) < 2 || CPU_COUNT(&all) != static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
+  const int allowed = AllowedCores();
+  if (allowed < 2 || allowed != static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
     GTEST_SKIP() << "needs every core of the machine, at least 2, in this thread's mask";
   }
   const int full = UsableCores();
-  int first = 0;
-  while (!CPU_ISSET(first, &all)) ++first;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(first, &one);
-  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);
-  setenv("OMP_PROC_BIND", "true", 1);
-  const int bound = UsableCores();
-  setenv("OMP_PROC_BIND", "false", 1);
-  const int not_bound = UsableCores();
-  unsetenv("OMP_PROC_BIND");
-  setenv("OMP_PLACES", "cores", 1);
-  const int placed = UsableCores();
-  unsetenv("OMP_PLACES");
-  ASSERT_EQ(sched_setaffinity(0, sizeof(all), &all), 0);
+  int bound = 0, not_bound = 0, placed = 0;
+  {
+    PinnedToOneCore pin;
+    ASSERT_TRUE(pin.pinned());
+    setenv("OMP_PROC_BIND", "true", 1);
+    bound = UsableCores();
+    setenv("OMP_PROC_BIND", "false", 1);
+    not_bound = UsableCores();
+    unsetenv("OMP_PROC_BIND");
+    setenv("OMP_PLACES", "cores", 1);
+    placed = UsableCores();
+    unsetenv("OMP_PLACES");
+  }
   EXPECT_EQ(bound, full);
   EXPECT_EQ(placed, full);
   EXPECT_EQ(not_bound, 1);
