@@ -43,8 +43,9 @@ void WriteLikeGrpc(const char* file, int line, gpr_log_severity severity,
   const char* slash = std::strrchr(file, '/');
   char when[64] = "error:localtime";
   struct tm tm;
-  if (localtime_r(&time.tv_sec, &tm) != nullptr)
+  if (localtime_r(&time.tv_sec, &tm) != nullptr) {
     std::strftime(when, sizeof(when), "%m%d %H:%M:%S", &tm);
+  }
   const std::string prefix = absl::StrFormat(
       "%s%s.%09d %7d %s:%d]", gpr_log_severity_string(severity), when,
       static_cast<int>(time.tv_nsec), thread, slash != nullptr ? slash + 1 : file, line);

@@ -295,16 +295,20 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
     EXPECT_EQ(code, 1) << absl::StrJoin(argv, " ") << "\n" << out;
     EXPECT_THAT(out, ::testing::HasSubstr(want)) << absl::StrJoin(argv, " ");
   }
-  // A TFJob's other task types, given to the worker binary: what to run
-  // instead.
-  const std::vector<std::pair<std::string, std::string>> task_cases = {
+}
+
+// A TFJob's other task types, given to the worker binary, are refused with
+// what to run instead.
+TEST_F(MultiProcessTest, OtherTfJobTaskTypesSayWhatToRun) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
       {"ps", "the worker binary runs \"worker\" or \"chief\" tasks (a ps task runs ps_server)"},
       {"evaluator", "psflow has no evaluator task yet: leave it out of the job"},
   };
-  for (const auto& [type, want] : task_cases) {
-    const auto [code, out] = RunToEnd(
-        {worker}, absl::StrCat(R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2"]},)",
-                               R"("task":{"type":")", type, R"(","index":0}})"));
+  for (const auto& [type, want] : cases) {
+    const auto [code, out] =
+        RunToEnd({PSFLOW_WORKER_BIN},
+                 absl::StrCat(R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2"]},)",
+                              R"("task":{"type":")", type, R"(","index":0}})"));
     EXPECT_EQ(code, 1) << type << "\n" << out;
     EXPECT_THAT(out, ::testing::HasSubstr(want)) << type;
   }
