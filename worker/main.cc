@@ -288,15 +288,21 @@ int main(int argc, char** argv) {
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());
 
-  std::printf("worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples "
-              "shared by %d workers each epoch, device %s, %d threads, %zu ps shards (%d "
-              "connections each)\n",
-              replica, replicas, cluster->is_chief() ? " (chief)" : "",
-              absl::GetFlag(FLAGS_dataset).c_str(), model->spec.c_str(),
-              static_cast<long long>(parameters),
-              static_cast<long long>(data->train.num_examples), replicas,
-              (*backend)->name().c_str(), threads,
-              cluster->ps.size(), client_options.streams_per_shard);
+  // "1 thread", "2 threads".
+  auto count = [](int64_t n, absl::string_view noun) {
+    return absl::StrCat(n, " ", noun, n == 1 ? "" : "s");
+  };
+  const std::string examples =
+      replicas == 1 ? "each epoch" : absl::StrCat("shared by ", replicas, " workers each epoch");
+  std::printf(
+      "worker %d of %d%s: %s, model %s (%lld parameters), %lld training examples %s, "
+      "device %s, %s, %s (%s each)\n",
+      replica, replicas, cluster->is_chief() ? " (chief)" : "",
+      absl::GetFlag(FLAGS_dataset).c_str(), model->spec.c_str(), static_cast<long long>(parameters),
+      static_cast<long long>(data->train.num_examples), examples.c_str(),
+      (*backend)->name().c_str(), count(threads, "thread").c_str(),
+      count(static_cast<int64_t>(cluster->ps.size()), "ps shard").c_str(),
+      count(client_options.streams_per_shard, "connection").c_str());
   std::fflush(stdout);
 
   TrainerOptions options;
