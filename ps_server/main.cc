@@ -199,11 +199,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   }
   options.apply_threads = absl::GetFlag(FLAGS_apply_threads);
   if (options.apply_threads < -1 || options.apply_threads > kMaxApplyThreads) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--apply_threads=", options.apply_threads,
-                     "; expected -1 (one per core, at most 16, on 4 or more cores, else none), 0 "
-                     "(none) or 1 to ",
-                     kMaxApplyThreads));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--apply_threads=", options.apply_threads,
+        "; expected -1 (one per usable core, at most 16, with 4 or more, else none), 0 "
+        "(none) or 1 to ",
+        kMaxApplyThreads));
   }
   options.apply_window = absl::GetFlag(FLAGS_apply_window);
   if (options.apply_window < 1) {

@@ -365,8 +365,7 @@ class GrpcPsClient final : public PsClient {
             missing = absl::UnavailableError(
                 absl::StrCat(shards_[s].name, " holds ", held, " of its ", shards_[s].parts.size(),
                              " variables; is the chief (the \"chief\" task, else worker 0) running "
-                             "and registering the "
-                             "model?"));
+                             "and registering the model?"));
           }
         }
       }

@@ -272,7 +272,7 @@ int main(int argc, char** argv) {
   client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   client_options.streams_per_shard = absl::GetFlag(FLAGS_ps_streams);
   if (client_options.streams_per_shard == 0) {
-    client_options.streams_per_shard = AutoStreamsPerShard(psflow::UsableCores());
+    client_options.streams_per_shard = AutoStreamsPerShard(cores);
   }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return Fail(grpc_args.status());

@@ -80,10 +80,10 @@ class PsClient {
                                               const PushInfo& info,
                                               absl::Span<float* const> values) = 0;
   // Each shard's status, in shard order, with the first page of its parts
-  // (StatusRequest: up to 3 MiB of them; num_parts counts
-  // them all). Retries as every call does, but starts no attempt after
-  // `deadline` and ends each by it (a chief waiting for its shards stops
-  // when its own wait is over).
+  // (StatusRequest: up to 3 MiB of them; num_parts counts them all).
+  // Retries as every call does, but starts no attempt after `deadline` and
+  // ends each by it (a chief waiting for its shards stops when its own wait
+  // is over).
   virtual absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) = 0;
   absl::StatusOr<std::vector<StatusResponse>> GetStatus() {
     return GetStatus(absl::InfiniteFuture());
