@@ -1,5 +1,7 @@
 #include "common/cluster_spec.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
@@ -537,29 +539,48 @@ bool ClusterSpec::is_chief() const {
 
 namespace {
 
+// This machine's host name in lower case, "" where it has none.
+std::string OwnHostName() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "";
+  return absl::AsciiStrToLower(name);
+}
+
 // The machine an address names, for comparing two of them: its host in
 // lower case, and one name for all of this machine's own (loopback
-// addresses, "localhost", unix sockets).
-std::string MachineOf(absl::string_view address) {
-  if (absl::StartsWith(address, "unix:")) return "<this machine>";
+// addresses, "localhost", unix sockets, and `own_host`, this machine's host
+// name, alone or as the first label of a longer name).
+std::string MachineOf(absl::string_view address, absl::string_view own_host) {
+  constexpr absl::string_view kThisMachine = "<this machine>";
+  if (absl::StartsWith(address, "unix:")) return std::string(kThisMachine);
   absl::string_view host = address.substr(0, address.rfind(':'));
   if (absl::ConsumePrefix(&host, "[")) absl::ConsumeSuffix(&host, "]");
   const std::string lower = absl::AsciiStrToLower(host);
   if (lower == "localhost" || lower == "::1" || absl::StartsWith(lower, "127.")) {
-    return "<this machine>";
+    return std::string(kThisMachine);
+  }
+  if (!own_host.empty()) {
+    absl::string_view rest = lower;
+    if (absl::ConsumePrefix(&rest, own_host) && (rest.empty() || rest[0] == '.')) {
+      return std::string(kThisMachine);
+    }
   }
   return lower;
 }
 
 }  // namespace
 
-int ClusterSpec::local_replicas() const {
+int ClusterSpec::local_replicas() const { return local_replicas(OwnHostName()); }
+
+int ClusterSpec::local_replicas(std::string_view own_host_name) const {
   const absl::StatusOr<std::string> own = task_address();
   if (!own.ok()) return 1;
-  const std::string machine = MachineOf(*own);
+  const std::string own_host =
+      absl::AsciiStrToLower(absl::string_view(own_host_name.data(), own_host_name.size()));
+  const std::string machine = MachineOf(*own, own_host);
   int n = 0;
   for (const std::vector<std::string>* list : {&chief, &worker}) {
-    for (const std::string& address : *list) n += MachineOf(address) == machine ? 1 : 0;
+    for (const std::string& address : *list) n += MachineOf(address, own_host) == machine ? 1 : 0;
   }
   return std::max(n, 1);
 }

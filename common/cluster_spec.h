@@ -58,11 +58,14 @@ struct ClusterSpec {
   // is i + chief.size(); -1 for ps and evaluator tasks.
   int replica_index() const;
   // Training replicas (chief and workers) on this task's machine: those
-  // whose host is this task's, with "localhost", loopback addresses and unix
-  // sockets all counted as one machine. At least 1 (also for a task without
-  // an address in the cluster).
-  // (A host named two ways, e.g. by name and by address, counts as two.)
+  // whose host is this task's, with "localhost", loopback addresses, unix
+  // sockets and this machine's host name (alone or as the first label of a
+  // longer name) all counted as one machine. At least 1 (also for a task
+  // without an address in the cluster). A host named by another of its
+  // addresses or aliases counts as another machine.
   int local_replicas() const;
+  // The same, with `own_host_name` standing for this machine's host name.
+  int local_replicas(std::string_view own_host_name) const;
   // The chief, or worker 0 when no chief is listed: it registers variables,
   // decides checkpoints and runs evaluation.
   bool is_chief() const;

@@ -1,8 +1,11 @@
 #include "common/cluster_spec.h"
 
+#include <unistd.h>
+
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -112,6 +115,27 @@ TEST(ClusterSpecTest, LocalReplicasCountTheTrainingTasksOnThisTasksMachine) {
   // outside the cluster has no address to compare: 1.
   EXPECT_EQ(MustParse(cluster + R"({"type":"ps","index":0}})").local_replicas(), 4);
   EXPECT_EQ(MustParse(cluster + R"({"type":"evaluator","index":0}})").local_replicas(), 1);
+}
+
+TEST(ClusterSpecTest, LocalReplicasKnowThisMachinesHostName) {
+  const ClusterSpec spec = MustParse(
+      R"({"cluster":{"chief":["localhost:2"],"worker":["Box7:3","box7.lab.example:4","box70:5",)"
+      R"("box7x.lab:6","other:7"],"ps":["localhost:1"]},"task":{"type":"worker","index":0}})");
+  // "box7" alone or as a first label is this machine; "box70" and "box7x"
+  // are not.
+  EXPECT_EQ(spec.local_replicas("box7"), 3);
+  EXPECT_EQ(spec.local_replicas("BOX7"), 3);
+  // Under another host name, "Box7:3" is a machine of its own.
+  EXPECT_EQ(spec.local_replicas("elsewhere"), 1);
+  EXPECT_EQ(spec.local_replicas(""), 1);
+  // The real host name: a worker listed by it shares the machine with the
+  // chief on localhost.
+  char name[256] = {};
+  ASSERT_EQ(gethostname(name, sizeof(name) - 1), 0);
+  const ClusterSpec here =
+      MustParse(absl::StrCat(R"({"cluster":{"chief":["localhost:2"],"worker":[")", name,
+                             R"(:3"]},"task":{"type":"chief","index":0}})"));
+  EXPECT_EQ(here.local_replicas(), 2);
 }
 
 TEST(ClusterSpecTest, MasterIsReadAsChief) {
