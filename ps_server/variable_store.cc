@@ -756,10 +756,15 @@ void VariableStore::ReportForgottenEarly(int64_t forgotten) {
 std::unique_ptr<VariableStore::PushSession> VariableStore::BeginPush(const PushHeaderInfo& header) {
   if (header.gradient_checked) ++pushes_checked_by_client_;
   const bool scan = !options_.allow_non_finite_gradients && !header.gradient_checked;
-  return std::unique_ptr<PushSession>(new PushSession(this, LedgerFor(header.request_id), scan));
+  return std::unique_ptr<PushSession>(new PushSession(this, header.request_id, scan));
 }
 
 VariableStore::PushSession::~PushSession() = default;
+
+VariableStore::LedgerEntry& VariableStore::PushSession::Entry() {
+  absl::call_once(entry_once_, [this] { entry_ = store_->LedgerFor(request_id_); });
+  return *entry_;
+}
 
 void VariableStore::PushSession::Account(int64_t delta) {
   entry_->bytes += delta;
@@ -804,8 +809,8 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   // Claim the elements of [offset, offset + count) that this request id has
   // not applied yet, after any other session of the id has finished with
   // overlapping ones; then update them outside the entry's lock.
+  Entry();
   FewRanges todo;
-  int64_t step = 0;
   LedgerEntry::Progress* progress = nullptr;
   {
     absl::MutexLock entry_lock(&entry_->mu);
@@ -824,18 +829,22 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
         },
         &claim));
     if (!TestBit(entry_->complete, part->index)) {
-      auto [it, created] = entry_->progress.try_emplace(part);
-      if (created) Account(kProgressBytes);
-      progress = &it->second;
-      todo = Uncovered(progress->done, offset, offset + count);
+      auto found = entry_->progress.find(part);
+      const bool known = found != entry_->progress.end();
+      if (known) {
+        todo = Uncovered(found->second.done, offset, offset + count);
+      } else {
+        todo.emplace_back(offset, offset + count);
+      }
       // One id's record may take a quarter of the ledger's bytes: a push
       // that leaves more gaps than that is refused before this segment is
-      // applied, so no client grows one record without end. Once applied,
-      // the segment merges with every range it touches, so only one that
-      // touches none adds a range.
+      // applied (and before its part's record is made), so no client grows
+      // one record without end. Once applied, the segment merges with every
+      // range it touches, so only one that touches none adds a range.
       const int64_t most = store_->options_.request_ledger_bytes / 4;
-      if (!todo.empty() && !Touches(progress->done, offset, offset + count) &&
-          entry_->bytes + kRangeBytes > most) {
+      const int64_t grown = entry_->bytes + (known ? 0 : kProgressBytes) + kRangeBytes;
+      if (!todo.empty() && !(known && Touches(found->second.done, offset, offset + count)) &&
+          grown > most) {
         return absl::ResourceExhaustedError(
             absl::StrCat("push: the segments of this request id leave more gaps in '", variable,
                          "' and its other parts than ps shard ", store_->options_.shard_index,
@@ -843,12 +852,13 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
                          " of at most ", most, " bytes, ", kRangeBytes,
                          " a gap); send each part's elements in fewer, larger segments"));
       }
-      if (!todo.empty()) {
-        // The whole segment, one entry however many pieces of it are new.
-        progress->in_flight.emplace_back(offset, offset + count);
-        if (progress->step == 0) progress->step = ++part->version;
+      if (!known) {
+        found = entry_->progress.try_emplace(part).first;
+        Account(kProgressBytes);
       }
-      step = progress->step;
+      progress = &found->second;
+      // The whole segment, one entry however many pieces of it are new.
+      if (!todo.empty()) progress->in_flight.emplace_back(offset, offset + count);
     }
   }
   int64_t applied = 0;
@@ -874,14 +884,22 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     } catch (const std::bad_alloc&) {
       out_of_memory = true;
     }
-    if (out_of_memory) {
+    int64_t step = 0;
+    {
       absl::MutexLock entry_lock(&entry_->mu);
-      progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
-                                          std::make_pair(offset, offset + count)));
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "push: ps shard ", store_->options_.shard_index, " has no memory for a copy of '",
-          variable, "' that a pull still holds; nothing of elements [", offset, ",", offset + count,
-          ") was applied"));
+      if (out_of_memory) {
+        progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
+                                            std::make_pair(offset, offset + count)));
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "push: ps shard ", store_->options_.shard_index, " has no memory for a copy of '",
+            variable, "' that a pull still holds; nothing of elements [", offset, ",",
+            offset + count, ") was applied"));
+      }
+      // The part's step for this push, taken by its first segment that is
+      // sure to be applied: a segment refused above leaves the version (and
+      // so Adam's bias correction) as it was.
+      if (progress->step == 0) progress->step = ++part->version;
+      step = progress->step;
     }
     for (const auto& [begin, end] : todo) {
       float* slots[4];

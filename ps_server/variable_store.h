@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/call_once.h"
 #include "absl/base/thread_annotations.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
@@ -308,14 +309,20 @@ class VariableStore {
 
    private:
     friend class VariableStore;
-    PushSession(VariableStore* store, std::shared_ptr<LedgerEntry> entry, bool scan_values)
-        : store_(store), entry_(std::move(entry)), scan_values_(scan_values) {}
+    PushSession(VariableStore* store, uint64_t request_id, bool scan_values)
+        : store_(store), request_id_(request_id), scan_values_(scan_values) {}
     absl::StatusOr<Part*> Find(absl::string_view variable);
+    // The request id's record, found or made on the first call: only a
+    // segment that passed its checks gets there, so a push refused outright
+    // leaves nothing in the ledger (nor pushes a real id out of it).
+    LedgerEntry& Entry();
     // Adds `delta` to the entry's bytes (and the store's, unless evicted);
     // entry_->mu held.
     void Account(int64_t delta);
     VariableStore* store_;
-    std::shared_ptr<LedgerEntry> entry_;
+    const uint64_t request_id_;
+    absl::once_flag entry_once_;
+    std::shared_ptr<LedgerEntry> entry_;  // set once, by Entry()
     // Gradients are scanned for NaN/Inf: neither allowed by the store nor
     // checked by the client (PushHeaderInfo::gradient_checked).
     const bool scan_values_;

@@ -2,16 +2,23 @@
 // and the errors each names.
 #include "ps_server/variable_store.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <barrier>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/process_stats.h"
 #include "gmock/gmock.h"
@@ -553,6 +560,7 @@ TEST(VariableStoreTest, LedgerKeepsIdsWhosePushesAreStillApplying) {
   open.reset();
   retry.reset();
   auto next = store->BeginPush({0, 0, 0, 200});
+  ASSERT_TRUE(next->Apply("w", 0, g, 2).ok());
   EXPECT_EQ(store->stats().ledger_ids, 1);  // 7 went with the others
   auto late = store->BeginPush({0, 0, 0, 7});
   ASSERT_TRUE(late->Apply("w", 0, g, 2).ok());
@@ -640,7 +648,8 @@ TEST(VariableStoreTest, AnIdPassedOverWhileInUseIsStillTheOldest) {
     ASSERT_TRUE(p->Apply("w", 0, g, 2).ok());
   }
   open.reset();
-  auto next = store->BeginPush({0, 0, 0, 401});  // id 1 goes now
+  auto next = store->BeginPush({0, 0, 0, 401});
+  ASSERT_TRUE(next->Apply("w", 0, g, 2).ok());  // id 1 goes now
   next.reset();
   auto again1 = store->BeginPush({0, 0, 0, 1});
   ASSERT_TRUE(again1->Apply("w", 0, g, 2).ok());
@@ -700,6 +709,116 @@ TEST(VariableStoreTest, PushLeavingTooManyGapsIsResourceExhausted) {
   std::vector<float> ones(kElements, 1.0f);
   ASSERT_TRUE(push->Apply("w", 0, ones.data(), kElements).ok());
   EXPECT_THAT(ReadAll(store.get(), "w", kElements), ::testing::Each(-1.0f));
+}
+
+// A push refused before anything of it is applied leaves no record: enough
+// of them used to push a real push's id out of a small ledger, so that its
+// retry was applied twice.
+TEST(VariableStoreTest, RefusedPushesLeaveNoRecordAndForgetNoRealId) {
+  auto store = SgdStore(0, 1, absl::Minutes(15), /*ledger_bytes=*/64 << 10);
+  RegisterFilled(store.get(), Def("w", {4}, 0, 4), 0.0f);
+  const float g[4] = {1, 1, 1, 1};
+  const float nan[1] = {std::numeric_limits<float>::quiet_NaN()};
+  {
+    auto push = store->BeginPush({0, 0, 0, 1});
+    ASSERT_TRUE(push->Apply("w", 0, g, 4).ok());
+    push->Finish(absl::OkStatus());
+  }
+  for (uint64_t id = 100; id < 500; ++id) {
+    auto push = store->BeginPush({0, 0, 0, id});
+    absl::Status refused = id % 2 == 0 ? push->Apply("v", 0, g, 1)     // NOT_FOUND
+                                       : push->Apply("w", 0, nan, 1);  // INVALID_ARGUMENT
+    ASSERT_FALSE(refused.ok());
+    push->Finish(refused);
+  }
+  const StoreStats stats = store->stats();
+  EXPECT_EQ(stats.rejected_requests, 400);
+  EXPECT_EQ(stats.ledger_ids, 1);
+  EXPECT_EQ(stats.ledger_ids_forgotten_early, 0);
+  // The first push's response was lost: its retry is skipped.
+  auto retry = store->BeginPush({0, 0, 0, 1});
+  ASSERT_TRUE(retry->Apply("w", 0, g, 4).ok());
+  EXPECT_EQ(retry->elements_skipped(), 4);
+  EXPECT_THAT(ReadAll(store.get(), "w", 4), ::testing::Each(-1.0f));
+  EXPECT_EQ(store->GetPart("w")->version, 1);
+}
+
+// A segment refused for the gaps it would leave changes nothing, not even
+// the ledger's count of the id's record.
+TEST(VariableStoreTest, SegmentRefusedForGapsLeavesTheLedgerAsItWas) {
+  auto store = SgdStore(0, 1, absl::Minutes(15), /*ledger_bytes=*/64 << 10);  // 16 KiB a record
+  RegisterFilled(store.get(), Def("a", {100000}, 0, 100000), 0.0f);
+  RegisterFilled(store.get(), Def("b", {10}, 0, 10), 0.0f);
+  auto push = store->BeginPush({0, 0, 0, 9});
+  const float g = 1;
+  absl::Status refused;
+  for (int64_t e = 0; refused.ok(); e += 2) refused = push->Apply("a", e, &g, 1);
+  ASSERT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  const int64_t bytes = store->stats().ledger_bytes;
+  // A part the id has not touched yet: its record would have to be made.
+  refused = push->Apply("b", 0, &g, 1);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_EQ(store->stats().ledger_bytes, bytes);
+  EXPECT_EQ(store->GetPart("b")->version, 0);
+  EXPECT_EQ(ReadAll(store.get(), "b", 10)[0], 0.0f);
+}
+
+// The process's address space (VmSize), 0 where /proc has none.
+int64_t VirtualBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (absl::StartsWith(line, "VmSize:")) return std::stoll(line.substr(7)) * 1024;
+  }
+  return 0;
+}
+
+// A segment that finds no memory for the copy a pull needs is refused and
+// leaves the part as it was, its version (Adam's step count) included; with
+// memory again, the same id applies it as the part's first step. Prints what
+// it saw.
+void PushIntoAFullAddressSpace() {
+  auto store = SgdStore();
+  constexpr int64_t kStripe = VariableStore::kLockStripeElements;
+  RegisterFilled(store.get(), Def("u", {4}, 0, 4), 0.0f);
+  RegisterFilled(store.get(), Def("w", {kStripe}, 0, kStripe), 0.0f);
+  std::vector<float> g(16, 1.0f);
+  auto push = store->BeginPush({0, 0, 0, 3});
+  // The id's record is made here, and the pull holds w's values: an update
+  // of w needs a copy of its stripe.
+  const bool first = push->Apply("u", 0, g.data(), 4).ok();
+  std::vector<PinnedValues> pins;
+  const bool pinned = store->Pin("w", 0, 16, &pins).ok();
+  // Room for a record or two, not for the stripe's copy (256 KiB).
+  rlimit before;
+  getrlimit(RLIMIT_AS, &before);
+  rlimit low = before;
+  low.rlim_cur = static_cast<rlim_t>(VirtualBytes() + (64 << 10));
+  setrlimit(RLIMIT_AS, &low);
+  const absl::Status refused = push->Apply("w", 0, g.data(), 16);
+  setrlimit(RLIMIT_AS, &before);
+  for (const PinnedValues& pin : pins) VariableStore::Unpin(pin.pin);
+  const int64_t version = store->GetPart("w")->version;
+  const float value = ReadAll(store.get(), "w", 1)[0];
+  const bool again = push->Apply("w", 0, g.data(), 16).ok();
+  std::fprintf(stderr,
+               "first=%d pinned=%d refused: %s; version %lld, w[0] %g; again=%d: "
+               "version %lld, w[0] %g\n",
+               first, pinned, refused.ToString().c_str(), static_cast<long long>(version), value,
+               again, static_cast<long long>(store->GetPart("w")->version),
+               ReadAll(store.get(), "w", 1)[0]);
+}
+
+TEST(VariableStoreDeathTest, SegmentWithoutMemoryForACopyLeavesTheVersion) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "a sanitizer's own mappings make an address-space limit meaningless";
+#else
+  // In a fresh process, whose heap has no free 256 KiB block to give.
+  ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
+  EXPECT_EXIT((PushIntoAFullAddressSpace(), std::_Exit(0)), ::testing::ExitedWithCode(0),
+              "first=1 pinned=1 refused: RESOURCE_EXHAUSTED: .*nothing of elements \\[0,16\\) "
+              "was applied; version 0, w\\[0\\] 0; again=1: version 1, w\\[0\\] -1\n");
+#endif
 }
 
 // A push without a request id (0) has no retry protection and leaves nothing
