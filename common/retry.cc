@@ -7,6 +7,31 @@
 
 namespace psflow {
 
+absl::Status CheckRetryOptions(const RetryOptions& options) {
+  const absl::Duration initial = options.initial_backoff, cap = options.max_backoff;
+  if (cap < absl::ZeroDuration() || cap == absl::InfiniteDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat("retry: max_backoff is ",
+                                                   absl::FormatDuration(cap),
+                                                   "; expected a finite wait of 0 or more"));
+  }
+  if (initial < absl::ZeroDuration() || initial > cap) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry: initial_backoff is ", absl::FormatDuration(initial),
+                     "; expected 0 to max_backoff (", absl::FormatDuration(cap), ")"));
+  }
+  if (!(options.multiplier >= 1.0 && options.multiplier < 1e9)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry: multiplier is ", options.multiplier, "; expected 1 or more (finite)"));
+  }
+  if (!(options.jitter >= 0.0 && options.jitter < 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("retry: jitter is ", options.jitter,
+                     "; expected at least 0 and below 1 (each wait is scaled by a factor in "
+                     "[1-jitter, 1+jitter])"));
+  }
+  return absl::OkStatus();
+}
+
 bool IsRetryable(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsDeadlineExceeded(status);
 }

@@ -313,23 +313,24 @@ class GrpcPsClient final : public PsClient {
   absl::StatusOr<RegisterResult> Register(absl::Span<const float* const> initial_values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     std::vector<RegisterResponse> responses(plan_.num_shards());
+    std::vector<StatusResponse> statuses(plan_.num_shards());
     std::atomic<bool> retried{false};
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       int sent = 0;  // registrations sent to the shard
       return RetryCall(options_.retry, [&] {
         // How large a message the shard takes, before sending it any.
-        StatusResponse status;
-        PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &status));
-        FitMessagesToShard(s, status);
+        PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &statuses[s]));
+        FitMessagesToShard(s, statuses[s]);
         if (++sent > 1) retried = true;
         return RegisterOnce(s, initial_values, &responses[s]);
       });
     }));
-    // What the shards accept, now that they hold the model (a failed call
-    // leaves the client scanning, which is always safe).
-    if (auto statuses = GetStatusOnce(absl::Now() + options_.rpc_timeout); statuses.ok()) {
-      LearnShardPolicies(*statuses);
-    }
+    // What the shards accept, from the same answers: a registered model
+    // always leaves the client knowing how long its pushes may be retried.
+    // (A status call of its own after the registration could fail, and the
+    // client then retried pushes on its own retention, past a shorter one
+    // of a shard, which applied them twice.)
+    LearnShardPolicies(statuses);
     RegisterResult result;
     result.retried = retried;
     for (const RegisterResponse& r : responses) {
@@ -454,6 +455,7 @@ class GrpcPsClient final : public PsClient {
                                       absl::Span<float* const> values) override {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(grads, "PushPull", "gradient"));
     PSFLOW_RETURN_IF_ERROR(CheckTensors(values, "PushPull", "output buffer"));
+    PSFLOW_RETURN_IF_ERROR(CheckSeparate(grads, values));
     PSFLOW_ASSIGN_OR_RETURN(const bool checked, CheckFinite(grads));
     const std::shared_ptr<const RetryOptions> push_retry = PushRetry();
     std::vector<PullResult> results(plan_.num_shards());
@@ -710,6 +712,46 @@ class GrpcPsClient final : public PsClient {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": the ", role, " of '", plan_.variables()[v].name, "' is null; expected ",
           plan_.variables()[v].num_elements(), " floats"));
+    }
+    return absl::OkStatus();
+  }
+
+  // PushPull writes values while a retry may still send the gradient from
+  // where it lies: no output buffer may share a byte with a gradient.
+  absl::Status CheckSeparate(absl::Span<const float* const> grads,
+                             absl::Span<float* const> values) const {
+    struct Span {
+      uintptr_t begin, end;
+      size_t variable;
+      bool output;
+    };
+    std::vector<Span> spans;
+    spans.reserve(2 * grads.size());
+    for (size_t v = 0; v < grads.size(); ++v) {
+      const uintptr_t bytes = static_cast<uintptr_t>(plan_.variables()[v].num_elements()) * 4;
+      if (bytes == 0) continue;
+      spans.push_back({reinterpret_cast<uintptr_t>(grads[v]),
+                       reinterpret_cast<uintptr_t>(grads[v]) + bytes, v, false});
+      spans.push_back({reinterpret_cast<uintptr_t>(values[v]),
+                       reinterpret_cast<uintptr_t>(values[v]) + bytes, v, true});
+    }
+    std::sort(spans.begin(), spans.end(),
+              [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    // The furthest-reaching gradient and output seen so far.
+    const Span* reach[2] = {nullptr, nullptr};
+    for (const Span& span : spans) {
+      const Span* other = reach[span.output ? 0 : 1];
+      if (other != nullptr && span.begin < other->end) {
+        const Span& output = span.output ? span : *other;
+        const Span& grad = span.output ? *other : span;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "PushPull: the output buffer of '", plan_.variables()[output.variable].name,
+            "' shares memory with the gradient of '", plan_.variables()[grad.variable].name,
+            "'; expected separate buffers (a retry sends the gradient again after the values "
+            "were written)"));
+      }
+      const Span*& mine = reach[span.output ? 1 : 0];
+      if (mine == nullptr || span.end > mine->end) mine = &span;
     }
     return absl::OkStatus();
   }
@@ -1117,6 +1159,7 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
                                                      "; expected 1 ms to 24 h"));
     }
   }
+  PSFLOW_RETURN_IF_ERROR(CheckRetryOptions(options.retry));
   if (options.max_chunk_bytes < 4) {
     return absl::InvalidArgumentError(absl::StrCat("max_chunk_bytes (--max_chunk_bytes) is ",
                                                    options.max_chunk_bytes,

@@ -70,12 +70,22 @@ class PsClient {
   // returned, but for an INTERNAL error saying they are still in use (the
   // gRPC client sends them where they lie, without a copy, and waits until
   // gRPC holds none of them before it returns).
+  // An error other than a refusal before anything was sent (INVALID_ARGUMENT
+  // for a NaN/Inf found by the client, a wrong tensor count) may leave the
+  // update applied on some shards, or on part of one: the shards that did
+  // not fail applied their share, and a failed shard keeps what reached it
+  // (PROTOCOL.md, "Errors"). A new Push of the same gradient would be a
+  // second update, not a retry: the caller should treat the step as lost or
+  // done, not send it again.
   virtual absl::Status Push(absl::Span<const float* const> grads, const PushInfo& info) = 0;
   // Push followed by a pull in one call per shard: sends `grads` as Push
   // does and fills `values[i]` with every variable's values right after
   // this push was applied to them (each shard answers every message of the
   // push as soon as it has applied it, so the gradient and the new values
-  // cross at once). Counts as a Push and a Pull for the rule below.
+  // cross at once). Counts as a Push and a Pull for the rule below. An
+  // error leaves the update as a failed Push does, and `values` undefined.
+  // `values` and `grads` must not share memory: a retry re-sends `grads`
+  // after the first attempt wrote values (INVALID_ARGUMENT where they do).
   virtual absl::StatusOr<PullResult> PushPull(absl::Span<const float* const> grads,
                                               const PushInfo& info,
                                               absl::Span<float* const> values) = 0;

@@ -1771,27 +1771,30 @@ TEST_F(PsClusterTest, PushIsNotRetriedPastTheShardsRequestIdRetention) {
 
 // Replaces the OK status of the first `lose` calls of `method` with
 // UNAVAILABLE once their handler has run: the shard applied the push, and
-// its reply was lost on the way.
+// its reply was lost on the way. With `spare`, the calls that end while it
+// is above 0 count it down first and keep their replies.
 class LoseReplies : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   LoseReplies(std::string method, std::shared_ptr<std::atomic<int>> lose,
-              grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE)
-      : method_(std::move(method)), lose_(std::move(lose)), code_(code) {}
+              grpc::StatusCode code = grpc::StatusCode::UNAVAILABLE,
+              std::shared_ptr<std::atomic<int>> spare = nullptr)
+      : method_(std::move(method)), lose_(std::move(lose)), code_(code), spare_(std::move(spare)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(
       grpc::experimental::ServerRpcInfo* info) override {
     if (method_ != info->method()) return nullptr;
-    return new Lose(lose_, code_);
+    return new Lose(lose_, code_, spare_);
   }
 
  private:
   class Lose : public grpc::experimental::Interceptor {
    public:
-    Lose(std::shared_ptr<std::atomic<int>> lose, grpc::StatusCode code)
-        : lose_(std::move(lose)), code_(code) {}
+    Lose(std::shared_ptr<std::atomic<int>> lose, grpc::StatusCode code,
+         std::shared_ptr<std::atomic<int>> spare)
+        : lose_(std::move(lose)), code_(code), spare_(std::move(spare)) {}
     void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
       if (methods->QueryInterceptionHookPoint(
               grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS) &&
-          lose_->fetch_sub(1) > 0) {
+          (spare_ == nullptr || spare_->fetch_sub(1) <= 0) && lose_->fetch_sub(1) > 0) {
         methods->ModifySendStatus(grpc::Status(code_, "reply lost"));
       }
       methods->Proceed();
@@ -1800,10 +1803,12 @@ class LoseReplies : public grpc::experimental::ServerInterceptorFactoryInterface
    private:
     std::shared_ptr<std::atomic<int>> lose_;
     const grpc::StatusCode code_;
+    std::shared_ptr<std::atomic<int>> spare_;
   };
   const std::string method_;
   std::shared_ptr<std::atomic<int>> lose_;
   const grpc::StatusCode code_;
+  std::shared_ptr<std::atomic<int>> spare_;
 };
 
 // The client's own retry, end to end: a push (or PushPull) whose reply was
@@ -1854,9 +1859,14 @@ TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
 // could come after the shard forgot the id), and the error says why.
 TEST_F(PsClusterTest, PushRetriesKeepToTheShardsShorterRetention) {
   auto lose = std::make_shared<std::atomic<int>>(0);
+  // GetStatus calls keep their replies until the last part below.
+  auto lose_status = std::make_shared<std::atomic<int>>(0);
+  auto spare_status = std::make_shared<std::atomic<int>>(0);
   interceptors_ = [&] {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
     v.push_back(std::make_unique<LoseReplies>("/psflow.ParameterServer/Push", lose));
+    v.push_back(std::make_unique<LoseReplies>("/psflow.ParameterServer/GetStatus", lose_status,
+                                              grpc::StatusCode::UNAVAILABLE, spare_status));
     return v;
   };
   PsServerOptions options;
@@ -1905,6 +1915,20 @@ TEST_F(PsClusterTest, PushRetriesKeepToTheShardsShorterRetention) {
   const absl::Status waited = (*waiter)->Push(grad.cptrs(), {3, 0});
   EXPECT_EQ(waited.code(), absl::StatusCode::kUnavailable) << waited;
   EXPECT_THAT(waited.message(), HasSubstr("keeps them 5s"));
+
+  // A chief learns it from the status call its registration makes: a
+  // status call after that may fail without leaving it unaware (it used to
+  // make a second one, and a failure there left it retrying for 15 minutes).
+  auto chief = CreateGrpcPsClient(vars, client_options);
+  ASSERT_TRUE(chief.ok()) << chief.status();
+  *spare_status = 1;
+  *lose_status = 1;
+  ASSERT_TRUE((*chief)->Register(Make(vars, 0.0f).cptrs()).ok());
+  *lose_status = 0;
+  *lose = 1;
+  const absl::Status registered = (*chief)->Push(grad.cptrs(), {4, 0});
+  EXPECT_EQ(registered.code(), absl::StatusCode::kUnavailable) << registered;
+  EXPECT_THAT(registered.message(), HasSubstr("keeps them 5s"));
 }
 
 // A shard that serves only GetStatus, answering `status`, and fails every
@@ -2000,6 +2024,11 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
     EXPECT_THAT(client.status().message(), HasSubstr("rpc_timeout"));
   }
   options.rpc_timeout = absl::Seconds(1);
+  options.retry.max_attempts = 1;  // the one call below that connects fails at once
+  GrpcPsClientOptions spinning = options;
+  spinning.retry.jitter = 1.5;
+  EXPECT_THAT(CreateGrpcPsClient(vars, spinning).status().message(),
+              HasSubstr("retry: jitter is 1.5; expected at least 0 and below 1"));
   for (absl::Duration bad : {absl::ZeroDuration(), absl::InfiniteDuration()}) {
     GrpcPsClientOptions keepalive = options;
     keepalive.keepalive_timeout = bad;
@@ -2024,6 +2053,22 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
   EXPECT_THAT(pull.message(), HasSubstr("output buffer of 'w' is null; expected 3 floats"));
   EXPECT_THAT((*client)->PushPull(t.cptrs(), {1, 0}, out).status().message(),
               HasSubstr("output buffer of 'w' is null"));
+  // Values written over the gradient would be sent as gradient by a retry.
+  // Only the checks run: the shard's address refuses connections.
+  std::vector<float> one_block(5);
+  const std::vector<const float*> block_grads = {one_block.data(), one_block.data() + 3};
+  for (const std::vector<float*>& outputs :
+       {std::vector<float*>{one_block.data(), t.ptrs()[1]},         // the same buffer
+        std::vector<float*>{t.ptrs()[0], one_block.data() + 2}}) {  // 'b' ends in 'w''s last float
+    const absl::Status shared = (*client)->PushPull(block_grads, {1, 0}, outputs).status();
+    EXPECT_EQ(shared.code(), absl::StatusCode::kInvalidArgument) << shared;
+    EXPECT_THAT(shared.message(), HasSubstr("shares memory with the gradient of"));
+    EXPECT_THAT(shared.message(), HasSubstr("expected separate buffers"));
+  }
+  // Gradients side by side in one block, values in another: fine (the call
+  // then fails only for want of a shard).
+  const absl::Status apart = (*client)->PushPull(block_grads, {1, 0}, t.ptrs()).status();
+  EXPECT_EQ(apart.code(), absl::StatusCode::kUnavailable) << apart;
 }
 
 // A shard that lacks a variable the client expects there (restarted, or

@@ -1,5 +1,6 @@
 #include "common/retry.h"
 
+#include <cmath>
 #include <string>
 
 #include "absl/status/status.h"
@@ -122,6 +123,35 @@ TEST(BackoffTest, GrowsWithinJitterUpToTheCap) {
     const double got = absl::ToDoubleMilliseconds(b.Next());
     EXPECT_GE(got, 0.8 * w - 1e-9);
     EXPECT_LE(got, 1.2 * w + 1e-9);
+  }
+}
+
+TEST(CheckRetryOptionsTest, RefusesWaitsThatMeanNothing) {
+  EXPECT_TRUE(CheckRetryOptions(RetryOptions()).ok());
+  RetryOptions zero;  // no waits at all is a choice
+  zero.initial_backoff = zero.max_backoff = absl::ZeroDuration();
+  zero.jitter = 0;
+  zero.multiplier = 1;
+  EXPECT_TRUE(CheckRetryOptions(zero).ok());
+  const struct {
+    void (*change)(RetryOptions*);
+    const char* says;
+  } bad[] = {
+      {[](RetryOptions* o) { o->jitter = 1.0; }, "jitter is 1; expected at least 0 and below 1"},
+      {[](RetryOptions* o) { o->jitter = -0.1; }, "jitter is -0.1"},
+      {[](RetryOptions* o) { o->jitter = std::nan(""); }, "jitter is nan"},
+      {[](RetryOptions* o) { o->multiplier = 0.5; }, "multiplier is 0.5; expected 1 or more"},
+      {[](RetryOptions* o) { o->initial_backoff = absl::Seconds(10); },
+       "initial_backoff is 10s; expected 0 to max_backoff (5s)"},
+      {[](RetryOptions* o) { o->initial_backoff = absl::Seconds(-1); }, "initial_backoff is -1s"},
+      {[](RetryOptions* o) { o->max_backoff = absl::InfiniteDuration(); }, "max_backoff is inf"},
+  };
+  for (const auto& [change, says] : bad) {
+    RetryOptions options;
+    change(&options);
+    const absl::Status refused = CheckRetryOptions(options);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << says;
+    EXPECT_THAT(refused.message(), HasSubstr(says));
   }
 }
 
