@@ -615,12 +615,16 @@ class PsServer::Service final : public grpc::Service {
   // page_size and at most kStatusPageBytes of them (but at least one, so
   // that a pager always gets on), and the token that goes on after them.
   void ListPartsPage(const StatusRequest& request, StatusResponse* response) {
-    const std::vector<PartSnapshot> parts = store_->ListParts();  // sorted by name
-    response->set_num_parts(static_cast<int64_t>(parts.size()));
-    auto it = std::upper_bound(parts.begin(), parts.end(), request.page_token(),
-                               [](const std::string& token, const PartSnapshot& part) {
-                                 return token < part.def.variable;
-                               });
+    // Only as many parts as the page can take are copied: an entry and its
+    // token take at least kMinEntryBytes of it.
+    constexpr size_t kMinEntryBytes = 12;
+    const size_t limit = request.page_size() > 0 ? static_cast<size_t>(request.page_size())
+                                                 : kStatusPageBytes / kMinEntryBytes + 1;
+    int64_t total = 0, remaining = 0;
+    const std::vector<PartSnapshot> parts =  // sorted by name
+        store_->ListParts(request.page_token(), limit, &total, &remaining);
+    response->set_num_parts(total);
+    auto it = parts.begin();
     size_t bytes = 0;
     for (int listed = 0; it != parts.end(); ++it, ++listed) {
       if (request.page_size() > 0 && listed == request.page_size()) break;
@@ -636,7 +640,8 @@ class PsServer::Service final : public grpc::Service {
       bytes += entry_bytes;
       *response->add_parts() = std::move(entry);
     }
-    if (it != parts.end()) response->set_next_page_token(std::prev(it)->def.variable);
+    const int64_t listed = it - parts.begin();
+    if (listed < remaining) response->set_next_page_token(std::prev(it)->def.variable);
   }
 
   // Every method receives bytes and parses them here: gRPC's typed handlers

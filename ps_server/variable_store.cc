@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iterator>
+#include <limits>
 #include <new>
 #include <utility>
 
@@ -1000,14 +1001,28 @@ absl::StatusOr<int64_t> VariableStore::Pin(absl::string_view variable, int64_t o
 }
 
 std::vector<PartSnapshot> VariableStore::ListParts() const {
-  std::vector<PartSnapshot> out;
+  int64_t total, remaining;
+  return ListParts("", std::numeric_limits<size_t>::max(), &total, &remaining);
+}
+
+std::vector<PartSnapshot> VariableStore::ListParts(absl::string_view after, size_t limit,
+                                                   int64_t* total, int64_t* remaining) const {
   absl::ReaderMutexLock lock(&parts_mu_);
-  out.reserve(parts_.size());
+  std::vector<const Part*> later;
+  later.reserve(parts_.size());
   for (const auto& [name, part] : parts_) {
-    out.push_back({part->def, part->num_elements, part->version.load()});
+    if (absl::string_view(name) > after) later.push_back(part.get());
   }
-  std::sort(out.begin(), out.end(),
-            [](const PartSnapshot& a, const PartSnapshot& b) { return a.def.variable < b.def.variable; });
+  const size_t shown = std::min(limit, later.size());
+  std::partial_sort(later.begin(), later.begin() + shown, later.end(),
+                    [](const Part* a, const Part* b) { return a->def.variable < b->def.variable; });
+  std::vector<PartSnapshot> out;
+  out.reserve(shown);
+  for (size_t i = 0; i < shown; ++i) {
+    out.push_back({later[i]->def, later[i]->num_elements, later[i]->version.load()});
+  }
+  *total = static_cast<int64_t>(parts_.size());
+  *remaining = static_cast<int64_t>(later.size());
   return out;
 }
 

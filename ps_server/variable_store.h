@@ -352,6 +352,12 @@ class VariableStore {
 
   // Definitions and versions of every part, in name order.
   std::vector<PartSnapshot> ListParts() const;
+  // The same of the first `limit` parts whose names sort after `after` (all
+  // names sort after ""), copying no others: a page of a long list costs
+  // a pointer per part, not a definition. `*total` gets the number of parts,
+  // `*remaining` the number after `after` (so whether more follow the page).
+  std::vector<PartSnapshot> ListParts(absl::string_view after, size_t limit, int64_t* total,
+                                      int64_t* remaining) const;
   absl::StatusOr<PartSnapshot> GetPart(absl::string_view variable) const;
   // The elements of `variable`'s part, or GetPart's NOT_FOUND; allocates
   // nothing (a pull checks every range it is asked for).

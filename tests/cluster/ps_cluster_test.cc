@@ -1630,6 +1630,8 @@ TEST_F(PsClusterTest, StatusListsManyPartsInPagesThatFitDefaultLimits) {
   EXPECT_EQ(std::accumulate(by_size.begin(), by_size.end(), 0), kVariables);
   const std::vector<int> by_seven = list_all(7);
   EXPECT_EQ(by_seven, std::vector<int>({7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 3}));
+  // A last page that is full ends the list: no empty page after it.
+  EXPECT_EQ(list_all(8), std::vector<int>(10, 8));
 
   // One byte longer is refused, naming the limit.
   auto longer = Client({{std::string(kNameBytes + 1, 'y'), {1}}});

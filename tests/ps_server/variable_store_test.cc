@@ -95,6 +95,35 @@ TEST(VariableStoreTest, PartOfARowRangeHasRowsTimesRowElements) {
   EXPECT_EQ(Def("s", {}, 0, 1).num_elements(), 1);
 }
 
+// A page of the parts: the first `limit` after a name, in name order, with
+// the count of all and of those after the name.
+TEST(VariableStoreTest, ListsAPageOfPartsAfterAName) {
+  auto store = SgdStore();
+  for (const char* name : {"d", "a", "c", "e", "b"}) {
+    RegisterFilled(store.get(), Def(name, {2}, 0, 2), 0.0f);
+  }
+  const auto names = [](const std::vector<PartSnapshot>& parts) {
+    std::vector<std::string> out;
+    for (const PartSnapshot& part : parts) out.push_back(part.def.variable);
+    return out;
+  };
+  int64_t total = -1, remaining = -1;
+  EXPECT_THAT(names(store->ListParts("", 2, &total, &remaining)), ::testing::ElementsAre("a", "b"));
+  EXPECT_EQ(total, 5);
+  EXPECT_EQ(remaining, 5);
+  EXPECT_THAT(names(store->ListParts("b", 2, &total, &remaining)),
+              ::testing::ElementsAre("c", "d"));
+  EXPECT_EQ(remaining, 3);
+  EXPECT_THAT(names(store->ListParts("bb", 10, &total, &remaining)),
+              ::testing::ElementsAre("c", "d", "e"));
+  EXPECT_EQ(remaining, 3);
+  EXPECT_TRUE(store->ListParts("e", 10, &total, &remaining).empty());
+  EXPECT_EQ(remaining, 0);
+  EXPECT_EQ(total, 5);
+  EXPECT_THAT(names(store->ListParts()), ::testing::ElementsAre("a", "b", "c", "d", "e"));
+  EXPECT_EQ(store->ListParts("a", 1, &total, &remaining)[0].num_elements, 2);
+}
+
 TEST(VariableStoreTest, RegistrationBecomesVisibleOnlyAtCommit) {
   auto store = SgdStore();
   auto reg = store->BeginRegistration(7, 1, 0, {Def("w", {4}, 0, 4)});
