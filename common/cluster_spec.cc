@@ -346,6 +346,11 @@ std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
   if (absl::StartsWith(address, "unix:")) {
     return address.size() > 5 ? "" : "has an empty unix socket path";
   }
+  // Else read as host "unix-abstract", port N: a shard listened on the
+  // abstract socket N while its workers dialled TCP port N.
+  if (absl::StartsWith(address, "unix-abstract:")) {
+    return "is an abstract unix socket, which psflow does not take; use \"unix:path\"";
+  }
   absl::string_view host, port;
   if (absl::StartsWith(address, "[")) {
     const size_t close = address.find(']');

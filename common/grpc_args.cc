@@ -2,16 +2,33 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <iterator>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/string_view.h"
 #include "grpc/grpc.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/support/channel_arguments.h"
 
 namespace psflow {
 namespace {
+
+// gRPC 1.51's arguments that take text (grpc_types.h); the others take
+// integers, or pointers that no flag can give.
+constexpr absl::string_view kStringArgs[] = {
+    GRPC_ARG_DEFAULT_AUTHORITY,
+    GRPC_ARG_PRIMARY_USER_AGENT_STRING,
+    GRPC_ARG_SECONDARY_USER_AGENT_STRING,
+    GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+    GRPC_ARG_SERVICE_CONFIG,
+    GRPC_ARG_LB_POLICY_NAME,
+    GRPC_ARG_OPTIMIZATION_TARGET,
+    GRPC_ARG_HTTP_PROXY,
+    GRPC_ARG_CHANNEL_POOL_DOMAIN,
+};
 
 class ArgsOption : public grpc::ServerBuilderOption {
  public:
@@ -54,14 +71,15 @@ absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
           absl::StrCat("--", flag, ": ", name, "=", value,
                        " is beyond gRPC's 32-bit integers (it would be dropped as a string)"));
     }
-    const bool integer_arg = absl::StartsWith(name, "grpc.keepalive_") ||
-                             absl::StartsWith(name, "grpc.http2.") || absl::EndsWith(name, "_ms") ||
-                             absl::EndsWith(name, "_bytes") || absl::EndsWith(name, "_size") ||
-                             absl::EndsWith(name, "_length") || absl::EndsWith(name, "_count");
-    if (integer_arg) {
+    // gRPC reads every other argument as an integer and drops a string
+    // given for one without a word: "grpc.so_reuseport=false" left its
+    // default of 1 in force, and a second shard could take the port.
+    if (std::find(std::begin(kStringArgs), std::end(kStringArgs), name) == std::end(kStringArgs)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "--", flag, ": ", name, "=", value,
-          " is not an integer, which gRPC reads it as (it would drop the value without a word)"));
+          " is not an integer, which gRPC reads it as (it would drop the value without a word; "
+          "1 and 0 for true and false). The arguments that take text are ",
+          absl::StrJoin(kStringArgs, ", ")));
     }
   }
   return absl::OkStatus();

@@ -76,7 +76,7 @@ ABSL_FLAG(int, apply_threads, -1,
           "at most 16, with 4 or more of them, else 0; at most 256).");
 ABSL_FLAG(int, apply_window, 4,
           "With applier threads: messages of one push applied at once, each on its own "
-          "element range (1 = one after another, in order).");
+          "element range (1 = one after another, in order; at most 64).");
 ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC server channel arguments, name=value[,name=value...] (for tuning "
           "experiments, e.g. grpc.experimental.tcp_min_read_chunk_size=262144; they replace "
@@ -152,6 +152,7 @@ std::string ListenPortOrPath(const std::string& address) {
 
 // More applier threads than this would only contend for the cores.
 constexpr int kMaxApplyThreads = 256;
+constexpr int kMaxApplyWindow = 64;
 
 int Fail(const absl::Status& status) {
   const std::string line = absl::StrCat("ps_server: ", status.ToString(), "\n");
@@ -206,9 +207,12 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
         kMaxApplyThreads));
   }
   options.apply_window = absl::GetFlag(FLAGS_apply_window);
-  if (options.apply_window < 1) {
+  if (options.apply_window < 1 || options.apply_window > kMaxApplyWindow) {
+    // Each push holds the window's messages (up to --max_chunk_bytes + 1 MiB
+    // each) and slots for them made before it reads any: 20,000,000 took
+    // 5 GB for one empty push.
     return absl::InvalidArgumentError(absl::StrCat("--apply_window is ", options.apply_window,
-                                                   "; expected 1 or more"));
+                                                   "; expected 1 to ", kMaxApplyWindow));
   }
   auto grpc_args = psflow::ParseNameValues("grpc_arg", absl::GetFlag(FLAGS_grpc_arg));
   if (!grpc_args.ok()) return grpc_args.status();
@@ -330,6 +334,10 @@ int main(int argc, char** argv) {
   // lock graph on every acquisition of the hot path; our lock order is fixed.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
+  // A log reader that went away (`| tee` ended by the same Ctrl-C, `| head`)
+  // made the next line kill the shard with SIGPIPE, with no grace for the
+  // calls in flight: the writes fail instead.
+  std::signal(SIGPIPE, SIG_IGN);
   // Block the shutdown signals in every thread (gRPC's included) and wait
   // for them here.
   sigset_t signals;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -112,6 +113,10 @@ int main(int argc, char** argv) {
       "worker/main.cc");
   psflow::ParseFlagsOrExit(argc, argv, "worker");
   psflow::TuneAllocatorForLargeMessages();
+  // A log reader that went away (`| head`, a `tee` that was stopped) must
+  // not end the training with SIGPIPE at the next progress line: the
+  // writes fail instead.
+  std::signal(SIGPIPE, SIG_IGN);
   // Debian's Abseil is built with Mutex deadlock detection on, which keeps a
   // lock graph on every acquisition of the hot path; our lock order is fixed.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

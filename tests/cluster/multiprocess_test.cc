@@ -3,6 +3,7 @@
 // seed model on Debian's Fashion-MNIST for a few hundred steps.
 #include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -236,6 +237,14 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--port=0", "--apply_threads=-5"}, "--apply_threads=-5; expected -1"},
       {{ps, "--port=0", "--grpc_arg=grpc.keepalive_time_ms=99999999999"},
        "is beyond gRPC's 32-bit integers"},
+      // Used to be dropped, and a second shard could take the same port.
+      {{ps, "--port=0", "--grpc_arg=grpc.so_reuseport=false"},
+       "grpc.so_reuseport=false is not an integer"},
+      // Used to make every push fail (window + 1 overflowed), or take 5 GB.
+      {{ps, "--port=0", "--apply_window=2147483647"},
+       "--apply_window is 2147483647; expected 1 to 64"},
+      {{ps, "--address=unix-abstract:123"},
+       "--address=unix-abstract:123 is an abstract unix socket, which psflow does not take"},
       {{ps, "--port=0", "--max_variable_bytes=-2"},
        "max_variable_bytes (--max_variable_bytes) is -2; expected -1"},
       // Its sum with gRPC's framing allowance used to wrap around.
@@ -382,6 +391,37 @@ TEST_F(MultiProcessTest, SecondSignalEndsTheShutdownAtOnce) {
   EXPECT_THAT(ReadFile(log), ::testing::HasSubstr("received a second SIGTERM, exiting without "
                                                   "waiting"));
   push_context.TryCancel();
+}
+
+// A shard whose log reader went away (`ps_server | tee log`, with tee ended
+// by the same Ctrl-C) still shuts down gracefully: its next line used to
+// kill it with SIGPIPE (exit 141), with no grace for the calls in flight.
+TEST_F(MultiProcessTest, ShardOutlivesItsLogReader) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::dup2(out[1], 2);
+    ::close(out[0]);
+    ::close(out[1]);
+    ::execl(PSFLOW_PS_SERVER_BIN, PSFLOW_PS_SERVER_BIN, "--address=127.0.0.1:0",
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  std::string seen;
+  char buf[512];
+  ssize_t n;
+  while (!absl::StrContains(seen, "listening on") && (n = ::read(out[0], buf, sizeof(buf))) > 0) {
+    seen.append(buf, n);
+  }
+  ::close(out[0]);  // the reader goes away
+  ASSERT_THAT(seen, ::testing::HasSubstr("listening on"));
+  ::kill(pid, SIGTERM);
+  EXPECT_EQ(psflow::test_support::WaitFor(pid, std::chrono::seconds(20)), 0)
+      << "141 is 128 + SIGPIPE";
 }
 
 // With no call in flight, a shard stops at once on SIGTERM, also right after

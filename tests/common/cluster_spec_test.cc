@@ -271,9 +271,9 @@ TEST(ClusterSpecTest, RejectsMissingPieces) {
 }
 
 TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
-  for (const char* bad :
-       {"h:0", "h:65536", "h:abc", "h", "h:", ":80", "h:-1", "h: 80", "h :80", "::1:80", "[::1]",
-        "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x", "unix:", "h:123456", "http://h:80"}) {
+  for (const char* bad : {"h:0", "h:65536", "h:abc", "h", "h:", ":80", "h:-1", "h: 80", "h :80",
+                          "::1:80", "[::1]", "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x",
+                          "unix:", "h:123456", "http://h:80", "unix-abstract:80"}) {
     const std::string json = std::string(R"({"cluster":{"worker":["ok:1",")") + bad +
                              R"("]},"task":{"type":"worker","index":0}})";
     const std::string error = TfConfigError(json);

@@ -34,11 +34,23 @@ TEST(CheckGrpcArgsTest, RefusesValuesGrpcWouldDrop) {
   EXPECT_THAT(big.message(), ::testing::HasSubstr("--grpc_arg: grpc.keepalive_time_ms=99999999999 "
                                                   "is beyond gRPC's 32-bit integers"));
   for (const char* name : {"grpc.keepalive_time_ms", "grpc.http2.lookahead_bytes",
-                           "grpc.max_receive_message_length", "grpc.server_handshake_timeout_ms"}) {
+                           "grpc.max_receive_message_length", "grpc.server_handshake_timeout_ms",
+                           "grpc.max_concurrent_streams", "grpc.expand_wildcard_addrs"}) {
     const absl::Status text = CheckGrpcArgs("grpc_arg", {{name, "abc"}});
     EXPECT_EQ(text.code(), absl::StatusCode::kInvalidArgument) << name;
     EXPECT_THAT(text.message(), ::testing::HasSubstr("=abc is not an integer")) << name;
   }
+  // A true/false argument takes 1 or 0: "false" was dropped, and gRPC's
+  // default (1) let a second shard listen on the same port.
+  const absl::Status word = CheckGrpcArgs("grpc_arg", {{"grpc.so_reuseport", "false"}});
+  EXPECT_EQ(word.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(word.message(), ::testing::HasSubstr("grpc.so_reuseport=false is not an integer"));
+  EXPECT_THAT(word.message(), ::testing::HasSubstr("1 and 0 for true and false"));
+  EXPECT_THAT(word.message(), ::testing::HasSubstr("grpc.optimization_target"));
+  EXPECT_TRUE(CheckGrpcArgs("grpc_arg", {{"grpc.so_reuseport", "0"},
+                                         {"grpc.optimization_target", "throughput"},
+                                         {"grpc.lb_policy_name", "round_robin"}})
+                  .ok());
 }
 
 TEST(KeepaliveGrpcArgsTest, GivesTheDurationsInMilliseconds) {
