@@ -94,9 +94,13 @@ absl::Status CheckUnixSocketFree(const std::string& address, int shard_index) {
   if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC says why
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  // Without blocking: a listener whose queue is full (a process that hangs
+  // and accepts nothing) made a blocking connect wait for ever, with the
+  // shutdown signals already blocked. Full (EAGAIN) means someone listens.
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return absl::OkStatus();
-  const bool live = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  const bool live =
+      ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0 || errno == EAGAIN;
   ::close(fd);
   if (!live) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("ps shard ", shard_index, " could not listen on ",

@@ -4,13 +4,17 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <limits>
 #include <map>
 #include <memory>
@@ -1697,6 +1701,42 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
   }
   (*running)->Shutdown();
   std::remove(not_a_socket.c_str());
+}
+
+// A unix socket whose listener hangs, its queue full, is in use: the shard
+// says so at once (its check used to wait in connect() for ever).
+TEST(PsServerStartTest, UnixSocketOfAHungListenerIsInUse) {
+  const std::string path = ::testing::TempDir() + "/ps_cluster_test_hung.sock";
+  std::remove(path.c_str());
+  sockaddr_un addr{};
+  ASSERT_LT(path.size(), sizeof(addr.sun_path));
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int listener = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);  // accepts nothing, ever
+  std::vector<int> waiting;             // fill its queue
+  for (int i = 0; i < 16; ++i) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    ASSERT_GE(fd, 0);
+    waiting.push_back(fd);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
+      ASSERT_EQ(errno, EAGAIN) << std::strerror(errno);
+      break;
+    }
+  }
+  PsServerOptions options;
+  options.address = "unix:" + path;
+  auto starting = std::async(std::launch::async, [&] { return PsServer::Start(options); });
+  const bool answered = starting.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  ::close(listener);  // frees a check still waiting, so that the test ends
+  EXPECT_TRUE(answered) << "the start waited on the hung listener";
+  auto server = starting.get();
+  EXPECT_EQ(server.status().code(), absl::StatusCode::kUnavailable) << server.status();
+  EXPECT_THAT(server.status().message(), HasSubstr("another process listens there"));
+  for (int fd : waiting) ::close(fd);
+  std::remove(path.c_str());
 }
 
 // The client retries UNAVAILABLE with backoff: a server that comes up late
