@@ -87,7 +87,11 @@ std::vector<int64_t> ShardEpochOrder(int64_t num_examples, const BatcherOptions&
   // 60k examples) so that nothing but the options needs to be stored.
   std::vector<int64_t> all(static_cast<size_t>(num_examples));
   std::iota(all.begin(), all.end(), int64_t{0});
-  Shuffle(all, Mix64(Mix64(options.seed) ^ kPartitionTag));
+  // Not from the seed: workers given different --seed values (nothing
+  // checks that they agree) would split the data differently, and drop or
+  // repeat examples without a word. As TensorFlow's Dataset.shard, the
+  // split depends only on the data and the workers.
+  Shuffle(all, Mix64(kPartitionTag));
   std::copy(all.begin() + begin, all.begin() + end, order.begin());
   const uint64_t epoch_seed =
       Mix64(Mix64(Mix64(Mix64(options.seed) ^ kEpochTag) ^ static_cast<uint64_t>(epoch)) ^

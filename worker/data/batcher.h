@@ -3,8 +3,9 @@
 //
 // Sharding: the examples are split once into num_shards contiguous,
 // near-equal ranges ([i*N/S, (i+1)*N/S)) of an index list; the list is a
-// permutation of 0..N-1 derived from `seed` when shuffling, else 0..N-1 in
-// order. So across all shards every example appears exactly once per epoch,
+// fixed permutation of 0..N-1 when shuffling (the same whatever the seed,
+// so that workers given different seeds still split the data exactly),
+// else 0..N-1 in order. So across all shards every example appears exactly once per epoch,
 // and a shard holds the same examples in every epoch. Shard sizes differ by
 // at most one example.
 //

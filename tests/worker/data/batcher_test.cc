@@ -174,6 +174,23 @@ TEST(BatcherTest, ShardsCoverEveryExampleOncePerEpoch) {
   }
 }
 
+// Workers whose --seed differs (nothing checks that they agree) still split
+// the data exactly: the split does not depend on the seed, only the order
+// within a shard does.
+TEST(BatcherTest, WorkersWithDifferentSeedsStillSplitTheDataExactly) {
+  const Dataset d = IdDataset(100);
+  std::vector<int> count(100, 0);
+  for (int s = 0; s < 3; ++s) {
+    BatcherOptions o;
+    o.batch_size = 8;
+    o.num_shards = 3;
+    o.shard_index = s;
+    o.seed = 1000 + s;
+    for (int64_t id : ShardEpochOrder(100, o, 0)) ++count[id];
+  }
+  EXPECT_THAT(count, ::testing::Each(1));
+}
+
 TEST(BatcherTest, WithoutShuffleVisitsTheShardInOrder) {
   const Dataset d = IdDataset(10);
   BatcherOptions o;
