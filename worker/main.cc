@@ -159,9 +159,10 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
         "--threads=", absl::GetFlag(FLAGS_threads), "; expected 0 (automatic) to ", kMaxThreads)));
   }
-  if (const double mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb); !(mb >= 0)) {
+  // At most 1 PiB: infinity used to become a cap of 0 bytes.
+  if (const double mb = absl::GetFlag(FLAGS_gpu_memory_limit_mb); !(mb >= 0 && mb <= 1 << 30)) {
     return Fail(absl::InvalidArgumentError(
-        absl::StrCat("--gpu_memory_limit_mb=", mb, "; expected 0 (no cap) or more")));
+        absl::StrCat("--gpu_memory_limit_mb=", mb, "; expected 0 (no cap) to 1073741824 (1 PiB)")));
   }
   if (absl::GetFlag(FLAGS_wait_for_variables_s) < 0) {
     return Fail(absl::InvalidArgumentError(
@@ -325,19 +326,21 @@ int main(int argc, char** argv) {
   auto summary = Train(*model, backend->get(), client->get(), data->train, data->test, options);
   if (!summary.ok()) return Fail(summary.status());
 
-  std::printf("worker %d: %lld steps, %.0f examples/s, test_accuracy %.4f, test_loss %.4f, "
-              "%.1f s (compute %.1f s, waiting for push/pull %.1f s, data %.1f s, eval %.1f s)\n",
-              replica, static_cast<long long>(summary->steps), summary->examples_per_sec,
-              summary->test_accuracy, summary->test_loss, summary->wall_seconds,
-              summary->compute_s, summary->wait_comm_s, summary->wait_data_s, summary->eval_s);
+  std::printf(
+      "worker %d: %lld steps, %.0f examples/s, test_accuracy %.4f, test_loss %.4f, "
+      "%.1f s (compute %.1f s, waiting for push/pull %.1f s, data %.1f s, eval %.1f s, "
+      "setup %.1f s)\n",
+      replica, static_cast<long long>(summary->steps), summary->examples_per_sec,
+      summary->test_accuracy, summary->test_loss, summary->wall_seconds, summary->compute_s,
+      summary->wait_comm_s, summary->wait_data_s, summary->eval_s, summary->setup_s);
   const std::string path = absl::GetFlag(FLAGS_summary_json);
   if (!path.empty()) {
     const std::string extra = absl::StrFormat(
-        "\"worker\": %d, \"num_workers\": %d, \"chief\": %s, \"device\": \"%s\", \"model\": "
-        "\"%s\", \"dataset\": \"%s\", \"batch_size\": %d, \"threads\": %d, \"ps_shards\": %d, "
+        "\"worker\": %d, \"num_workers\": %d, \"chief\": %s, \"device\": %s, \"model\": "
+        "%s, \"dataset\": %s, \"batch_size\": %d, \"threads\": %d, \"ps_shards\": %d, "
         "\"parameters\": %d",
-        replica, replicas, cluster->is_chief() ? "true" : "false", (*backend)->name(),
-        model->spec, absl::GetFlag(FLAGS_dataset), batch_size, threads,
+        replica, replicas, cluster->is_chief() ? "true" : "false", JsonString((*backend)->name()),
+        JsonString(model->spec), JsonString(absl::GetFlag(FLAGS_dataset)), batch_size, threads,
         static_cast<int>(cluster->ps.size()), parameters);
     std::ofstream out(path);
     out << SummaryToJson(*summary, extra);

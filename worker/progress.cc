@@ -43,9 +43,12 @@ void Progress::Update(int64_t step, double loss, double accuracy, int64_t images
   if (out_ == nullptr) return;
   const absl::Time now = absl::Now();
   if (tty_) {
+    // The line of every step, drawn at most every 100 ms: EndEpoch ends the
+    // epoch with its last step's, also when --train_steps stops it early (it
+    // used to print what was drawn last, or nothing).
+    last_line_ = Line(step, loss, accuracy, images);
     if (now - last_draw_ < absl::Milliseconds(100) && step < steps_) return;
     last_draw_ = now;
-    last_line_ = Line(step, loss, accuracy, images);
     std::fprintf(out_, "\r%s\033[K", last_line_.c_str());
     std::fflush(out_);
     return;

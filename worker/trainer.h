@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -67,12 +68,15 @@ struct TrainSummary {
   double examples_per_sec = 0;
   double train_loss = 0, train_accuracy = 0;  // last epoch
   double test_loss = -1, test_accuracy = -1;   // final evaluation
-  // Where the time went (seconds). Main thread: waiting for a batch,
+  // Where the time went (seconds). Before training: waiting for the shards
+  // and registering the model (chief), or waiting for the chief's
+  // registration (setup_s; examples_per_sec leaves it out, as it does
+  // eval_s). Main thread: waiting for a batch,
   // computing, waiting for the communication thread; communication: push
   // and pull themselves, or the fused PushPull calls (they overlap compute
   // when overlap is on). pull_s also holds the initial pull and the pulls
   // before each evaluation.
-  double wait_data_s = 0, compute_s = 0, wait_comm_s = 0, push_s = 0, pull_s = 0,
+  double setup_s = 0, wait_data_s = 0, compute_s = 0, wait_comm_s = 0, push_s = 0, pull_s = 0,
          push_pull_s = 0, eval_s = 0;
   int64_t resident_bytes = 0, peak_resident_bytes = 0;
   std::vector<EpochSummary> epochs;
@@ -87,6 +91,10 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
 // Loss and accuracy of `params` on all of `data`, in batches of `batch_size`.
 absl::Status Evaluate(ComputeBackend* backend, absl::Span<const float* const> params,
                       const Dataset& data, int batch_size, double* loss, double* accuracy);
+
+// `text` as a JSON string: quoted, with quotes, backslashes and control
+// characters escaped (a model file's path may hold any of them).
+std::string JsonString(std::string_view text);
 
 // The summary as a JSON object; `extra` are pre-rendered "key": value pairs
 // (without braces) added first.

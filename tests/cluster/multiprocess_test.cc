@@ -294,6 +294,9 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{worker, hosts[0], hosts[1], "--threads=100000"}, "--threads=100000; expected 0"},
       {{worker, hosts[0], hosts[1], "--gpu_memory_limit_mb=-1"},
        "--gpu_memory_limit_mb=-1; expected 0"},
+      // Used to become a cap of 0 bytes.
+      {{worker, hosts[0], hosts[1], "--gpu_memory_limit_mb=inf"},
+       "--gpu_memory_limit_mb=inf; expected 0 (no cap) to 1073741824 (1 PiB)"},
       {{worker, hosts[0], hosts[1], "--wait_for_variables_s=-5"},
        "--wait_for_variables_s=-5; expected 0"},
       {{worker, hosts[0], hosts[1], "--max_chunk_bytes=2000000000"},

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -25,6 +26,7 @@
 #include "ps_server/grpc_ps_server.h"
 #include "worker/backend.h"
 #include "worker/grpc_ps_client.h"
+#include "worker/progress.h"
 #include "worker/trainer.h"
 
 namespace psflow {
@@ -389,6 +391,48 @@ TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, progress)) > 0;) said.append(buffer, n);
   std::fclose(progress);
   EXPECT_THAT(said, ::testing::HasSubstr("waiting for the ps shards: "));
+  // The wait is setup, not training: examples/s leaves it out (it used to
+  // count it, and a worker that waited reported a fraction of its speed).
+  EXPECT_GE(summary->setup_s, 1.0);
+  const double training = summary->wall_seconds - summary->eval_s - summary->setup_s;
+  ASSERT_GT(training, 0);
+  EXPECT_DOUBLE_EQ(summary->examples_per_sec, summary->examples / training);
+}
+
+// On a terminal, an epoch stopped early (--train_steps) ends with its last
+// step's line, although steps that come fast are not all drawn.
+TEST(ProgressTest, TerminalEpochEndsWithItsLastStep) {
+  FILE* out = std::tmpfile();
+  ASSERT_NE(out, nullptr);
+  worker::Progress progress(out, /*tty=*/true, "");
+  progress.StartEpoch(1, 1, 100);
+  for (int step = 1; step <= 3; ++step) progress.Update(step, 0.25 * step, 0.5, 32 * step);
+  progress.EndEpoch(" - test_accuracy: 0.9000");
+  std::rewind(out);
+  std::string said;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, out)) > 0;) said.append(buffer, n);
+  std::fclose(out);
+  EXPECT_THAT(said, ::testing::HasSubstr("\r3/100 ["));
+  EXPECT_THAT(said, ::testing::HasSubstr("loss: 0.7500 - accuracy: 0.5000"));
+  EXPECT_THAT(said, ::testing::EndsWith(" - test_accuracy: 0.9000\n"));
+}
+
+// The summary is JSON whatever the run gave: a diverged loss is null (it
+// was printf's "-nan"), and strings are escaped.
+TEST(SummaryJsonTest, NonFiniteNumbersAreNullAndStringsAreEscaped) {
+  worker::TrainSummary summary;
+  summary.test_loss = std::nan("");
+  summary.train_loss = std::numeric_limits<double>::infinity();
+  summary.test_accuracy = 0.5;
+  const std::string json =
+      worker::SummaryToJson(summary, "\"model\": " + worker::JsonString("@/tmp/a\"b\\c\n"));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"test_loss\": null, "));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"train_loss\": null, "));
+  EXPECT_THAT(json, ::testing::HasSubstr("\"test_accuracy\": 0.5, "));
+  EXPECT_THAT(json, ::testing::HasSubstr(R"("model": "@/tmp/a\"b\\c\u000a")"));
+  EXPECT_THAT(json, ::testing::Not(::testing::HasSubstr("nan")));
+  EXPECT_THAT(json, ::testing::Not(::testing::HasSubstr("inf")));
 }
 
 // The chief's wait ends when --wait_for_variables_s says, with the
