@@ -315,6 +315,16 @@ class StillHeldClient : public worker::PsClient {
   int pushes_ = 0;
 };
 
+// What was written to the temporary file `file`, which is closed.
+std::string ReadAndClose(FILE* file) {
+  std::rewind(file);
+  std::string said;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, file)) > 0;) said.append(buffer, n);
+  std::fclose(file);
+  return said;
+}
+
 // A small model on generated data, ready to train against shards of the
 // test's own.
 class TrainerStartTest : public ::testing::Test {
@@ -385,12 +395,7 @@ TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   ASSERT_TRUE(started.ok()) << started;
   ASSERT_TRUE(summary.ok()) << summary.status();
   EXPECT_EQ(summary->steps, 6);
-  std::rewind(progress);
-  std::string said;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, progress)) > 0;) said.append(buffer, n);
-  std::fclose(progress);
-  EXPECT_THAT(said, ::testing::HasSubstr("waiting for the ps shards: "));
+  EXPECT_THAT(ReadAndClose(progress), ::testing::HasSubstr("waiting for the ps shards: "));
   // The wait is setup, not training: examples/s leaves it out (it used to
   // count it, and a worker that waited reported a fraction of its speed).
   EXPECT_GE(summary->setup_s, 1.0);
@@ -408,11 +413,7 @@ TEST(ProgressTest, TerminalEpochEndsWithItsLastStep) {
   progress.StartEpoch(1, 1, 100);
   for (int step = 1; step <= 3; ++step) progress.Update(step, 0.25 * step, 0.5, 32 * step);
   progress.EndEpoch(" - test_accuracy: 0.9000");
-  std::rewind(out);
-  std::string said;
-  char buffer[4096];
-  for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, out)) > 0;) said.append(buffer, n);
-  std::fclose(out);
+  const std::string said = ReadAndClose(out);
   EXPECT_THAT(said, ::testing::HasSubstr("\r3/100 ["));
   EXPECT_THAT(said, ::testing::HasSubstr("loss: 0.7500 - accuracy: 0.5000"));
   EXPECT_THAT(said, ::testing::EndsWith(" - test_accuracy: 0.9000\n"));
