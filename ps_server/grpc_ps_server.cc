@@ -34,6 +34,7 @@
 #include "common/grpc_wire.h"
 #include "common/process_stats.h"
 #include "common/status_macros.h"
+#include "grpc/health/v1/health.pb.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -1207,6 +1208,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
     PSFLOW_RETURN_IF_ERROR(CheckUnixSocketFree(options.address, options.store.shard_index));
   }
   grpc::EnableDefaultHealthCheckService(true);
+  // Links the health API's descriptors into the binary (from a static
+  // library, an object file nothing refers to is left out), so that
+  // reflection describes the health service gRPC serves.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
@@ -1221,6 +1226,10 @@ absl::StatusOr<std::unique_ptr<PsServer>> PsServer::Start(const PsServerOptions&
   GrpcArgs defaults = KeepaliveGrpcArgs(options.keepalive_time, options.keepalive_timeout);
   defaults.emplace_back(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
                         absl::StrCat(absl::ToInt64Milliseconds(options.min_client_ping_interval)));
+  // Also on a connection without calls (a worker evaluating, a client
+  // between steps): without this gRPC allows one ping in 2 hours there, and
+  // a client pinging every 11 s while idle was sent GOAWAY too_many_pings.
+  defaults.emplace_back(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, "1");
   // gRPC sets SO_REUSEPORT on its listening sockets by default, so a second
   // shard started on a port in use listened beside the first, and the
   // kernel split the workers' connections between the two. Off: it fails.

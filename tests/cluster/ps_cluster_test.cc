@@ -1739,6 +1739,38 @@ TEST(PsServerStartTest, UnixSocketOfAHungListenerIsInUse) {
   std::remove(path.c_str());
 }
 
+// A client may ping a shard on a connection without calls, as often as the
+// shard allows (min_client_ping_interval): gRPC's default allows one ping
+// in 2 hours there, and such a client was sent GOAWAY too_many_pings.
+TEST(PsServerStartTest, ClientsMayPingWhileNoCallIsOpen) {
+  PsServerOptions options;
+  options.address = "127.0.0.1:0";
+  options.min_client_ping_interval = absl::Milliseconds(100);
+  auto server = PsServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 200);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  auto channel = grpc::CreateCustomChannel((*server)->client_address(),
+                                           grpc::InsecureChannelCredentials(), args);
+  auto stub = ParameterServer::NewStub(channel);
+  auto status_call = [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    StatusResponse status;
+    return stub->GetStatus(&context, StatusRequest(), &status).ok();
+  };
+  ASSERT_TRUE(status_call());
+  // A ping a second (gRPC's client sends no more), no call: the third
+  // strike used to end the connection.
+  absl::SleepFor(absl::Seconds(5));
+  EXPECT_EQ(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_READY)
+      << "the shard closed the idle connection";
+  EXPECT_TRUE(status_call());
+  (*server)->Shutdown();
+}
+
 // The client retries UNAVAILABLE with backoff: a server that comes up late
 // is reached.
 TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {

@@ -6,8 +6,8 @@ python3-grpcio) and Python classes that protoc generates from
 proto/psflow.proto, and nothing of psflow's C++: it registers a model whose
 kernel (4.8 MB) is larger than gRPC's default 4 MiB message limit in chunks,
 and two more whose header goes on over two messages, pushes a gradient, retries it with the same request id, pulls in answers of
-4 MiB with Python's default receive limit, sends bad input, reads GetStatus
-and the health service, and stops the shard with SIGTERM. Every value is
+4 MiB with Python's default receive limit, sends bad input, reads GetStatus,
+the health service and server reflection, and stops the shard with SIGTERM. Every value is
 checked exactly (SGD with learning rate 1 on values that float32 holds
 exactly).
 
@@ -48,6 +48,7 @@ def main():
     ps_server, proto, protoc = sys.argv[1:4]
     try:
         import grpc
+        import google.protobuf  # noqa: F401 (the generated classes need it)
     except ImportError as e:
         print(f"SKIP: {e} (install Debian's python3-grpcio and python3-protobuf)")
         return 77
@@ -235,7 +236,49 @@ def run(grpc, pb, address):
           f"GetStatus by pages of 2: {listed} in {pages} pages")
     # HealthCheckRequest{service: ""} is empty; SERVING is status 1.
     check(health(b"", timeout=60) == b"\x08\x01", "the health service answers SERVING")
+    # Server reflection describes both services (grpcurl needs it): the
+    # health service's descriptors used to be missing ("Symbol not found").
+    reflection = channel.stream_stream(
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+        request_serializer=raw, response_deserializer=raw)
+    for symbol, file in (("grpc.health.v1.Health", b"grpc/health/v1/health.proto"),
+                         ("psflow.ParameterServer", b"psflow.proto")):
+        # ServerReflectionRequest{file_containing_symbol (4): symbol}
+        request = b"\x22" + bytes([len(symbol)]) + symbol.encode()
+        answers = list(reflection(iter([request]), timeout=60))
+        fields = top_level_fields(answers[0]) if len(answers) == 1 else {}
+        # ServerReflectionResponse: file_descriptor_response (4), not
+        # error_response (7).
+        check(4 in fields and 7 not in fields and file in fields.get(4, b""),
+              f"reflection of {symbol}: fields {sorted(fields)} in {answers!r:.300}")
     channel.close()
+
+
+def top_level_fields(message):
+    """The length-delimited and varint fields of a protobuf message, by number
+    (the last value of each)."""
+    fields, i = {}, 0
+    def varint():
+        nonlocal i
+        value, shift = 0, 0
+        while True:
+            byte = message[i]
+            i += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+    while i < len(message):
+        tag = varint()
+        if tag & 7 == 2:
+            length = varint()
+            fields[tag >> 3] = message[i:i + length]
+            i += length
+        elif tag & 7 == 0:
+            fields[tag >> 3] = varint()
+        else:
+            raise ValueError(f"wire type {tag & 7} at byte {i}")
+    return fields
 
 
 if __name__ == "__main__":
