@@ -8,6 +8,7 @@
 # REQUIRED) (its oneDNN is built with the OpenCL GPU runtime), so without it
 # CMake stops at find_package(dnnl). python3-grpcio and python3-protobuf are
 # for one test only: a client in Python, written from docs/PROTOCOL.md.
+# procps (pgrep, ps) is for the launcher's test; a minimal image lacks it.
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
@@ -15,7 +16,7 @@ packages=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   dataset-fashion-mnist
-  python3-grpcio python3-protobuf
+  python3-grpcio python3-protobuf procps
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -28,6 +29,7 @@ fi
 echo "setup: installing ${missing[*]}"
 sudo=""
 [ "$(id -u)" = 0 ] || sudo=sudo
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# Through env: sudo drops the caller's environment.
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+  "${missing[@]}"

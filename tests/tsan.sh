@@ -26,7 +26,8 @@ if ! command -v dpkg-source >/dev/null; then
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends dpkg-dev
 fi
 
-version=$(dpkg-query -W -f='${Version}' libabsl-dev)
+# The source package's version: a binary-only rebuild (+b1) has none of its own.
+version=$(dpkg-query -W -f='${source:Version}' libabsl-dev)
 absl=$BUILD_DIR/abseil-$version
 if [ ! -f "$absl/lib/.built" ]; then
   echo "tsan: building Debian's Abseil $version with -fsanitize=thread"
@@ -42,7 +43,12 @@ EOF
   apt_opts=(-o Dir::Etc::SourceList="$absl/apt/sources.list" -o Dir::Etc::SourceParts=/dev/null
             -o Dir::State::Lists="$absl/apt/lists" -o APT::Sandbox::User=root)
   apt-get "${apt_opts[@]}" update -qq
-  (cd "$absl/fetch" && apt-get "${apt_opts[@]}" source -qq --download-only "abseil=$version")
+  # The installed version, or, once the archive has moved on to a newer
+  # point release of bookworm, that one (the same ABI: security fixes).
+  if ! (cd "$absl/fetch" && apt-get "${apt_opts[@]}" source -qq --download-only "abseil=$version"); then
+    echo "tsan: abseil $version is no longer in the archive; building bookworm's newest" >&2
+    (cd "$absl/fetch" && apt-get "${apt_opts[@]}" source -qq --download-only abseil)
+  fi
   dpkg-source -x "$absl"/fetch/abseil_*.dsc "$absl/src" >/dev/null  # applies Debian's patches
   cmake -S "$absl/src" -B "$absl/build" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_STANDARD=17 -DBUILD_SHARED_LIBS=ON \
@@ -61,7 +67,10 @@ cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"
 export LD_LIBRARY_PATH="$absl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # The run means something only if the tests take the instrumented Mutex.
 binary=$(find "$BUILD_DIR/tests" -name variable_store_test -type f | head -1)
-if ! ldd "$binary" | grep -qF "=> $absl/lib/libabsl_synchronization.so"; then
+# (ldd's output taken whole first: grep -q leaving early would fail the
+# pipeline under pipefail.)
+libraries=$(ldd "$binary")
+if ! grep -qF "=> $absl/lib/libabsl_synchronization.so" <<< "$libraries"; then
   echo "tsan: $binary does not load $absl/lib/libabsl_synchronization.so" >&2
   exit 1
 fi

@@ -97,14 +97,15 @@ join() { local IFS=,; echo "$*"; }
 cluster="{\"ps\": [$(join "${ps_list[@]}")], \"worker\": [$(join "${worker_list[@]}")]}"
 tf_config() { echo "{\"cluster\": $cluster, \"task\": {\"type\": \"$1\", \"index\": $2}, \"environment\": \"cloud\"}"; }
 
-pids=()
+pids=()     # every process started, in order
+running=()  # those not reaped yet: a reaped one's pid may belong to another process now
 declare -A role  # pid -> "ps 0", "worker 1", ...
 cleanup() {
   # A second Ctrl-C (or a SIGINT to the whole process group) must not cut the
   # cleanup short and leave processes running.
   trap - EXIT
   trap '' INT TERM
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for p in "${running[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
@@ -122,7 +123,7 @@ echo "run_cluster: $NUM_PS ps + $NUM_WORKERS workers on localhost:$BASE_PORT.., 
 for i in $(seq 0 $((NUM_PS - 1))); do
   TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 "${ps_flags[@]}" \
     >"$LOG_DIR/ps-$i.log" 2>&1 &
-  pids+=($!)
+  pids+=($!) running+=($!)
   role[$!]="ps $i"
 done
 # A shard that cannot start (a port in use, a bad flag) ends at once: report
@@ -149,14 +150,13 @@ for i in $(seq 0 $((NUM_WORKERS - 1))); do
     TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 &
   fi
-  pids+=($!)
+  pids+=($!) running+=($!)
   role[$!]="worker $i"
 done
 
 # Until every worker has finished, the first process to fail ends the run:
 # the others would wait for it (the workers for a chief that never
 # registered the model, the chief for a shard that is gone).
-running=("${pids[@]}")
 workers_left=$NUM_WORKERS
 while [ "$workers_left" -gt 0 ]; do
   done_pid=

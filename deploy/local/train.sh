@@ -15,12 +15,24 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 [ "${BUILD:-1}" = 0 ] || bash "$here/deploy/build.sh"
 
 epochs=3 batch=64 examples=60000 cap=0  # Fashion-MNIST's training set
-for arg in "$@"; do
+# The flags that set the decay, in every form the worker takes them:
+# --flag=value, --flag value, and the same with one dash.
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  arg=${args[i]}
+  [[ $arg == -[!-]* ]] && arg=-$arg
   case $arg in
-    --epochs=*) epochs=${arg#*=} ;;
-    --train_steps=*) cap=${arg#*=} ;;
-    --batch_size=*) batch=${arg#*=} ;;
-    --dataset=cifar10) examples=50000 ;;
+    --epochs=* | --train_steps=* | --batch_size=* | --dataset=*)
+      name=${arg%%=*} value=${arg#*=} ;;
+    --epochs | --train_steps | --batch_size | --dataset)
+      name=$arg value=${args[i + 1]:-} i=$((i + 1)) ;;
+    *) continue ;;
+  esac
+  case $name in
+    --epochs) epochs=$value ;;
+    --train_steps) cap=$value ;;
+    --batch_size) batch=$value ;;
+    --dataset) if [ "$value" = cifar10 ]; then examples=50000; else examples=60000; fi ;;
   esac
 done
 workers=${NUM_WORKERS:-2}

@@ -2,6 +2,7 @@
 # Runs deploy/local/run_cluster.sh as a user would, against the binaries of
 # the build directory given as $1:
 #  - a short run trains and reports the chief's accuracy;
+#  - deploy/local/train.sh sets the decay from the flags however written;
 #  - settings it cannot use are refused with a message;
 #  - a chief killed early ends the run at once (the other worker used to
 #    keep it waiting for the chief's variables, 5 minutes);
@@ -35,6 +36,16 @@ wait_for_processes() {
 NUM_PS=1 NUM_WORKERS=2 LOG_DIR=$work/ok timeout 240 bash "$run" --train_steps=3 --epochs=1 \
   > "$work/ok.out" 2>&1
 expect "a short run" 0 "run_cluster: final test accuracy (chief): 0." $? "$work/ok.out"
+
+# The main job's script, its flags written with a space: the decay follows
+# them (--train_steps 3 for 2 workers: 6 updates; it used to read only
+# --flag=value, and kept the 3 epochs' 2814).
+BUILD=0 NUM_PS=1 NUM_WORKERS=2 LOG_DIR=$work/train timeout 240 \
+  bash "$here/deploy/local/train.sh" --train_steps 3 -epochs 1 > "$work/train.out" 2>&1
+expect "train.sh with spaced flags" 0 "run_cluster: final test accuracy (chief): 0." $? \
+  "$work/train.out"
+grep -qF "schedule=cosine(decay_steps=6," "$work/train/ps-0.log" ||
+  { fail "train.sh: the shard's decay is not 6 steps"; cat "$work/train/ps-0.log" >&2; }
 
 # Settings it cannot use.
 NUM_WORKERS=08x LOG_DIR=$work/bad timeout 60 bash "$run" > "$work/bad.out" 2>&1
