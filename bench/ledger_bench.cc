@@ -4,8 +4,9 @@
 // records hundreds of thousands of ranges for one request id, in the order
 // they come. Each iteration is one push (a fresh request id) of N
 // one-element segments at every other element of a 2N-element part (SGD),
-// so no two segments merge; the limit is the same N elements' work as one
-// segment of 2N. Counters: ns per segment.
+// so no two segments merge; the limit is the whole part as one segment
+// (2N elements: twice the elements, so at most twice the time of N as one
+// segment). Counters: ns per segment.
 //
 //   ledger_bench --benchmark_min_time=0.5
 #include <algorithm>

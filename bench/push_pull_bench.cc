@@ -18,9 +18,9 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
-#include <sched.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -30,13 +30,14 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
-#include <cstdio>
-#include <cstring>
 #include <numeric>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -122,7 +123,8 @@ Timing Summarize(const OpStats& s) {
   if (s.times.empty()) return out;
   std::vector<double> t = s.times;
   std::sort(t.begin(), t.end());
-  out.median_s = t[t.size() / 2];
+  // Of an even count, the mean of the two middle times.
+  out.median_s = t.size() % 2 == 1 ? t[t.size() / 2] : (t[t.size() / 2 - 1] + t[t.size() / 2]) / 2;
   out.mean_s = std::accumulate(t.begin(), t.end(), 0.0) / t.size();
   out.self_cpu_s = s.self_cpu_s / t.size();
   out.server_cpu_s = s.server_cpu_s / t.size();
@@ -665,8 +667,11 @@ int main(int argc, char** argv) {
                    const Timing& t, const Timing& raw) {
     if (t.median_s == 0) return;  // not run (--ops)
     const bool raw_like = absl::StartsWith(op, "raw");  // raw and raw_opt: this process only
-    // With --clients=N an operation moves the model N times.
-    const double moved = raw_like ? bytes : bytes * std::max(1, absl::GetFlag(FLAGS_clients));
+    // With --clients=N an operation moves the model N times; a PushPull
+    // moves it both ways.
+    const double moved = raw_like ? bytes
+                                  : bytes * std::max(1, absl::GetFlag(FLAGS_clients)) *
+                                        (std::string_view(op) == "pushpull" ? 2 : 1);
     const double gbs = moved / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
     std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
                 op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,

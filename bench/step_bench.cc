@@ -66,7 +66,8 @@ absl::StatusOr<PhaseResult> TimePhase(int warmup, int steps, int batch, StepFn s
   std::sort(ms.begin(), ms.end());
   PhaseResult r;
   r.images_per_s = static_cast<double>(batch) * steps / total_s;
-  r.median_ms = ms[ms.size() / 2];
+  r.median_ms =
+      ms.size() % 2 == 1 ? ms[ms.size() / 2] : (ms[ms.size() / 2 - 1] + ms[ms.size() / 2]) / 2;
   r.p90_ms = ms[std::min(ms.size() - 1, ms.size() * 9 / 10)];
   return r;
 }
