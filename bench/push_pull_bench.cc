@@ -47,6 +47,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "common/flags_usage.h"
 #include "common/float_buffer.h"
 #include "common/process_stats.h"
@@ -88,7 +89,9 @@ ABSL_FLAG(bool, small_vars, true, "Also measure the 200-small-variables case.");
 ABSL_FLAG(bool, raw_opt, true,
           "Also time raw_opt: the raw transfer with the push's work done on the plain socket "
           "(the sender scans the gradient for NaN/Inf first; the receiver scans each chunk "
-          "and applies --optimizer to it as soon as it has arrived).");
+          "and applies --optimizer to it as soon as it has arrived), and raw_pipe: the same "
+          "with the receiver only reading and a second thread scanning and applying, as a "
+          "shard with applier threads does.");
 
 extern char** environ;
 
@@ -319,10 +322,15 @@ int SocketIn(const std::string& netns, int domain) {
 // reads the socket, scans each `chunk` bytes as soon as they have arrived
 // and applies the optimizer to them (as the shard does per message). What
 // is left between this and the push is what gRPC's structure costs.
+//
+// With `pipelined` (raw_pipe) the receiving thread only reads, and a second
+// thread scans and applies each chunk once it has arrived, while the next
+// bytes are read: the structure of a shard with applier threads, without
+// gRPC.
 class RawLink {
  public:
   RawLink(bool unix_socket, size_t bytes, const psflow::server::Optimizer* optimizer = nullptr,
-          size_t chunk = 0)
+          size_t chunk = 0, bool pipelined = false)
       : bytes_(bytes), data_(bytes), optimizer_(optimizer) {
     // The bytes of float 0.001, as the push sends (and no denormals for the
     // optimizer of raw_opt).
@@ -357,7 +365,7 @@ class RawLink {
     ::getsockname(listener_, reinterpret_cast<sockaddr*>(&addr), &len);
     // Whole float32 values per chunk, at least one.
     chunk = std::max<size_t>(4, chunk / 4 * 4);
-    receiver_ = std::thread([this, chunk] {
+    receiver_ = std::thread([this, chunk, pipelined] {
       int fd = ::accept(listener_, nullptr, nullptr);
       std::vector<char> buf(bytes_);  // reused, like the PS's buffers
       // The optimizer's state, as on a shard.
@@ -369,7 +377,78 @@ class RawLink {
           slots[i] = psflow::FloatBuffer(elements, optimizer_->slot_initial_value(i));
         }
       }
+      // Scans and applies bytes [from, to) of the buffer, chunk by chunk.
+      auto apply = [&](size_t from, size_t to, int64_t step) {
+        for (size_t done = from; done < to;) {
+          const size_t n = std::min(chunk, to - done);
+          const int64_t first = static_cast<int64_t>(done / 4), count = static_cast<int64_t>(n / 4);
+          if (psflow::FirstNonFinite(buf.data() + done, count) >= 0) Die("raw_opt: NaN/Inf");
+          float* at[2] = {};
+          for (int i = 0; i < optimizer_->num_slots(); ++i) at[i] = slots[i].data() + first;
+          optimizer_->Apply(step, params.data() + first, at, buf.data() + done, count);
+          done += n;
+        }
+      };
       int64_t step = 0;
+      if (pipelined && optimizer_ != nullptr) {
+        // The reader publishes how far the bytes have arrived; the applier
+        // takes every whole chunk up to there (and the rest at the end).
+        absl::Mutex mu;
+        size_t got_shared = 0, applied = 0;
+        int64_t step_shared = 0;
+        bool stop = false;
+        const auto work_ready = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS {  // mu held
+          return stop || got_shared - applied >= chunk ||
+                 (got_shared == bytes_ && applied < bytes_);
+        };
+        const auto all_applied = [&]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return applied == bytes_; };
+        std::thread applier([&] {
+          while (true) {
+            size_t from, ready;
+            int64_t this_step;
+            {
+              absl::MutexLock lock(&mu);
+              mu.Await(absl::Condition(&work_ready));
+              if (stop) return;
+              from = applied;
+              ready = got_shared == bytes_ ? bytes_ : got_shared - (got_shared - from) % chunk;
+              this_step = step_shared;
+            }
+            apply(from, ready, this_step);
+            absl::MutexLock lock(&mu);
+            applied = ready;
+          }
+        });
+        while (true) {
+          size_t got = 0;
+          {
+            absl::MutexLock lock(&mu);
+            got_shared = applied = 0;
+            step_shared = ++step;
+          }
+          while (got < bytes_) {
+            const ssize_t r = ::recv(fd, buf.data() + got, bytes_ - got, 0);
+            if (r <= 0) break;
+            got += r;
+            absl::MutexLock lock(&mu);
+            got_shared = got;
+          }
+          if (got < bytes_) break;  // the sender closed: done
+          {
+            absl::MutexLock lock(&mu);
+            mu.Await(absl::Condition(&all_applied));
+          }
+          char ack = 1;
+          WriteAll(fd, &ack, 1);
+        }
+        {
+          absl::MutexLock lock(&mu);
+          stop = true;
+        }
+        applier.join();
+        ::close(fd);
+        return;
+      }
       while (true) {
         size_t got = 0, done = 0;  // done: bytes scanned and applied
         ++step;
@@ -381,15 +460,8 @@ class RawLink {
           // Every whole chunk that has arrived, and at the end the rest
           // (whole floats: chunk and done are multiples of 4).
           const size_t ready = got == bytes_ ? got / 4 * 4 : got - (got - done) % chunk;
-          while (done < ready) {
-            const size_t n = std::min(chunk, ready - done);
-            const int64_t first = static_cast<int64_t>(done / 4), count = static_cast<int64_t>(n / 4);
-            if (psflow::FirstNonFinite(buf.data() + done, count) >= 0) Die("raw_opt: NaN/Inf");
-            float* at[2] = {};
-            for (int i = 0; i < optimizer_->num_slots(); ++i) at[i] = slots[i].data() + first;
-            optimizer_->Apply(step, params.data() + first, at, buf.data() + done, count);
-            done += n;
-          }
+          apply(done, ready, step);
+          done = ready;
         }
         if (got < bytes_) break;  // the sender closed: done
         char ack = 1;
@@ -508,7 +580,7 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing raw, raw_opt, push, pull, push_pull;
+  Timing raw, raw_opt, raw_pipe, push, pull, push_pull;
   std::vector<psflow::StatusResponse> status;
 };
 
@@ -518,14 +590,14 @@ struct Run {
 // same state of this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
              const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1,
-             RawLink* raw_opt = nullptr) {
+             RawLink* raw_opt = nullptr, RawLink* raw_pipe = nullptr) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
   const bool do_push = absl::StrContains(absl::StrCat(",", ops, ","), ",push,");
   const bool do_pull = absl::StrContains(absl::StrCat(",", ops, ","), ",pull,");
   const bool do_push_pull = ops.find("pushpull") != std::string::npos;
-  if (!do_push && !do_push_pull) raw_opt = nullptr;  // nothing to compare it with
+  if (!do_push && !do_push_pull) raw_opt = raw_pipe = nullptr;  // nothing to compare them with
   Cluster cluster;
   StartCluster(binary, shards, unix_socket, &cluster);
   psflow::worker::GrpcPsClientOptions options;
@@ -596,15 +668,19 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   for (int i = 0; i < warmup; ++i) {
     if (raw != nullptr) raw->Transfer();
     if (raw_opt != nullptr) raw_opt->Transfer();
+    if (raw_pipe != nullptr) raw_pipe->Transfer();
     if (do_push) push();
     if (do_pull) pull();
     if (do_push_pull) push_pull();
   }
-  OpStats raw_stats, raw_opt_stats, push_stats, pull_stats, push_pull_stats;
+  OpStats raw_stats, raw_opt_stats, raw_pipe_stats, push_stats, pull_stats, push_pull_stats;
   for (int done = 0; done < iterations; done += batch) {
     const int n = std::min(batch, iterations - done);
     if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
     if (raw_opt != nullptr) TimeBatch(n, [&] { raw_opt->Transfer(); }, {}, &raw_opt_stats);
+    if (raw_pipe != nullptr)
+      TimeBatch(
+          n, [&] { raw_pipe->Transfer(); }, {}, &raw_pipe_stats);
     if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
     if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
     if (do_push_pull) TimeBatch(n, push_pull, cluster.pids, &push_pull_stats);
@@ -612,6 +688,7 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   Run run;
   run.raw = Summarize(raw_stats);
   run.raw_opt = Summarize(raw_opt_stats);
+  run.raw_pipe = Summarize(raw_pipe_stats);
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
   run.push_pull = Summarize(push_pull_stats);
@@ -702,10 +779,13 @@ int main(int argc, char** argv) {
       continue;
     }
     RawLink raw(unix_socket, static_cast<size_t>(bytes));
-    std::unique_ptr<RawLink> raw_opt;
+    std::unique_ptr<RawLink> raw_opt, raw_pipe;
     if (absl::GetFlag(FLAGS_raw_opt)) {
+      const size_t chunk = static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes));
       raw_opt = std::make_unique<RawLink>(unix_socket, static_cast<size_t>(bytes), optimizer->get(),
-                                          static_cast<size_t>(absl::GetFlag(FLAGS_chunk_bytes)));
+                                          chunk);
+      raw_pipe = std::make_unique<RawLink>(unix_socket, static_cast<size_t>(bytes),
+                                           optimizer->get(), chunk, /*pipelined=*/true);
     }
     for (const std::string& shards_text : absl::GetFlag(FLAGS_shards)) {
       for (const std::string& streams_text : absl::GetFlag(FLAGS_streams)) {
@@ -720,15 +800,19 @@ int main(int argc, char** argv) {
         // split over 4 connections each.
         const std::string shard_flag =
             streams == 1 ? shards_text : absl::StrCat(shards, "x", streams);
-        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams, raw_opt.get());
+        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams, raw_opt.get(),
+                           raw_pipe.get());
         print(name, shard_flag, "raw", run.raw, run.raw);
         print(name, shard_flag, "raw_opt", run.raw_opt, run.raw);
-        if (run.raw_opt.median_s > 0 && run.push.median_s > 0) {
+        print(name, shard_flag, "raw_pipe", run.raw_pipe, run.raw);
+        for (const auto& [reference, timing] :
+             {std::pair{"raw_opt", &run.raw_opt}, std::pair{"raw_pipe", &run.raw_pipe}}) {
+          if (timing->median_s == 0 || run.push.median_s == 0) continue;
           // The push against the same work on a plain socket.
           // Per byte: with --clients=N a push moves the model N times.
-          std::printf("       push vs raw_opt: %.2f\n",
-                      std::max(1, absl::GetFlag(FLAGS_clients)) * run.raw_opt.median_s /
-                          run.push.median_s);
+          std::printf(
+              "       push vs %s: %.2f\n", reference,
+              std::max(1, absl::GetFlag(FLAGS_clients)) * timing->median_s / run.push.median_s);
         }
         print(name, shard_flag, "push", run.push, run.raw);
         print(name, shard_flag, "pull", run.pull, run.raw);
