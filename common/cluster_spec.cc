@@ -554,7 +554,8 @@ std::string OwnHostName() {
 // The machine an address names, for comparing two of them: its host in
 // lower case, and one name for all of this machine's own (loopback
 // addresses, "localhost", unix sockets, and `own_host`, this machine's host
-// name, alone or as the first label of a longer name).
+// name, alone or as the first label of a longer name, or its own first
+// label where it is a longer name: "box7" and "box7.lab" name one machine).
 std::string MachineOf(absl::string_view address, absl::string_view own_host) {
   constexpr absl::string_view kThisMachine = "<this machine>";
   if (absl::StartsWith(address, "unix:")) return std::string(kThisMachine);
@@ -569,6 +570,7 @@ std::string MachineOf(absl::string_view address, absl::string_view own_host) {
     if (absl::ConsumePrefix(&rest, own_host) && (rest.empty() || rest[0] == '.')) {
       return std::string(kThisMachine);
     }
+    if (lower == own_host.substr(0, own_host.find('.'))) return std::string(kThisMachine);
   }
   return lower;
 }

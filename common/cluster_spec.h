@@ -59,8 +59,9 @@ struct ClusterSpec {
   int replica_index() const;
   // Training replicas (chief and workers) on this task's machine: those
   // whose host is this task's, with "localhost", loopback addresses, unix
-  // sockets and this machine's host name (alone or as the first label of a
-  // longer name) all counted as one machine. At least 1 (also for a task
+  // sockets and this machine's host name (alone, as the first label of a
+  // longer name, or by its own first label where it is fully qualified)
+  // all counted as one machine. At least 1 (also for a task
   // without an address in the cluster). A host named by another of its
   // addresses or aliases counts as another machine.
   int local_replicas() const;

@@ -21,7 +21,7 @@ absl::Status CheckRetryOptions(const RetryOptions& options) {
   }
   if (!(options.multiplier >= 1.0 && options.multiplier < 1e9)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("retry: multiplier is ", options.multiplier, "; expected 1 or more (finite)"));
+        absl::StrCat("retry: multiplier is ", options.multiplier, "; expected 1 to 1e9"));
   }
   if (!(options.jitter >= 0.0 && options.jitter < 1.0)) {
     return absl::InvalidArgumentError(

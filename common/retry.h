@@ -35,8 +35,8 @@ struct RetryOptions {
 
 // OK, or INVALID_ARGUMENT naming the first setting that would make the
 // waits meaningless: a backoff below 0, infinite or above max_backoff, a
-// multiplier below 1, a jitter outside [0, 1) (at 1 or more a wait can be
-// 0 or negative, and retries spin).
+// multiplier outside [1, 1e9), a jitter outside [0, 1) (at 1 or more a wait
+// can be 0 or negative, and retries spin).
 absl::Status CheckRetryOptions(const RetryOptions& options);
 
 // True for the codes worth retrying: UNAVAILABLE and DEADLINE_EXCEEDED.

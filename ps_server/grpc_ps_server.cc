@@ -623,8 +623,10 @@ class PsServer::Service final : public grpc::Service {
     // Only as many parts as the page can take are copied: an entry and its
     // token take at least kMinEntryBytes of it.
     constexpr size_t kMinEntryBytes = 12;
-    const size_t limit = request.page_size() > 0 ? static_cast<size_t>(request.page_size())
-                                                 : kStatusPageBytes / kMinEntryBytes + 1;
+    constexpr size_t kMostEntries = kStatusPageBytes / kMinEntryBytes + 1;
+    const size_t limit = request.page_size() > 0
+                             ? std::min(static_cast<size_t>(request.page_size()), kMostEntries)
+                             : kMostEntries;
     int64_t total = 0, remaining = 0;
     const std::vector<PartSnapshot> parts =  // sorted by name
         store_->ListParts(request.page_token(), limit, &total, &remaining);

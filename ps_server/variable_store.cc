@@ -709,8 +709,9 @@ int64_t VariableStore::TrimLedgerLocked(std::chrono::steady_clock::time_point no
   // bound the oldest ones early. Never an id whose sessions are still
   // applying (a retry of it, or a late stream of the same push, would find
   // no record and apply twice): it is passed over and stays where it is in
-  // the queue. Each id is looked at once at most, and the newest is always
-  // kept.
+  // the queue. (A session holds its id's record from its first segment
+  // that passed the checks; one that has applied none yet does not.) Each id is looked at once at
+  // most, and the newest is always kept.
   int64_t forgotten_early = 0;
   absl::InlinedVector<uint64_t, 4> in_use;  // passed over, oldest first
   for (size_t older = ledger_order_.size() - 1; older > 0 && !ledger_order_.empty(); --older) {
@@ -813,6 +814,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
   Entry();
   FewRanges todo;
   LedgerEntry::Progress* progress = nullptr;
+  bool created_progress = false;  // by this segment
   {
     absl::MutexLock entry_lock(&entry_->mu);
     // Looked up on every evaluation: a Progress is dropped once its part is
@@ -856,6 +858,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       if (!known) {
         found = entry_->progress.try_emplace(part).first;
         Account(kProgressBytes);
+        created_progress = true;
       }
       progress = &found->second;
       // The whole segment, one entry however many pieces of it are new.
@@ -891,6 +894,13 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       if (out_of_memory) {
         progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
                                             std::make_pair(offset, offset + count)));
+        // The part's record goes again if this segment made it and no other
+        // has used it since.
+        if (created_progress && progress->done.empty() && progress->in_flight.empty() &&
+            progress->step == 0) {
+          entry_->progress.erase(part);
+          Account(-kProgressBytes);
+        }
         return absl::ResourceExhaustedError(absl::StrCat(
             "push: ps shard ", store_->options_.shard_index, " has no memory for a copy of '",
             variable, "' that a pull still holds; nothing of elements [", offset, ",",

@@ -313,8 +313,10 @@ class VariableStore {
         : store_(store), request_id_(request_id), scan_values_(scan_values) {}
     absl::StatusOr<Part*> Find(absl::string_view variable);
     // The request id's record, found or made on the first call: only a
-    // segment that passed its checks gets there, so a push refused outright
-    // leaves nothing in the ledger (nor pushes a real id out of it).
+    // segment that passed its checks gets there, so a push refused by them
+    // leaves nothing in the ledger (nor pushes a real id out of it). One
+    // whose first segment then finds no memory for a pull's copy leaves the
+    // id's record (about 230 bytes), not the part's.
     LedgerEntry& Entry();
     // Adds `delta` to the entry's bytes (and the store's, unless evicted);
     // entry_->mu held.

@@ -64,7 +64,9 @@ void Progress::Update(int64_t step, double loss, double accuracy, int64_t images
 
 void Progress::EndEpoch(const std::string& extra) {
   if (out_ == nullptr) return;
-  std::fprintf(out_, "%s%s%s\n", tty_ ? "\r" : "", last_line_.c_str(), extra.c_str());
+  // On a terminal the line drawn last may be longer: clear its rest.
+  std::fprintf(out_, "%s%s%s%s\n", tty_ ? "\r" : "", last_line_.c_str(), extra.c_str(),
+               tty_ ? "\033[K" : "");
   std::fflush(out_);
 }
 

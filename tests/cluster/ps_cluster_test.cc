@@ -1763,8 +1763,8 @@ TEST(PsServerStartTest, ClientsMayPingWhileNoCallIsOpen) {
   };
   ASSERT_TRUE(status_call());
   // A ping a second (gRPC's client sends no more), no call: the third
-  // strike used to end the connection.
-  absl::SleepFor(absl::Seconds(5));
+  // strike, some 4 s in, used to end the connection.
+  absl::SleepFor(absl::Seconds(8));
   EXPECT_EQ(channel->GetState(/*try_to_connect=*/false), GRPC_CHANNEL_READY)
       << "the shard closed the idle connection";
   EXPECT_TRUE(status_call());

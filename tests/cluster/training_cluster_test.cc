@@ -416,7 +416,7 @@ TEST(ProgressTest, TerminalEpochEndsWithItsLastStep) {
   const std::string said = ReadAndClose(out);
   EXPECT_THAT(said, ::testing::HasSubstr("\r3/100 ["));
   EXPECT_THAT(said, ::testing::HasSubstr("loss: 0.7500 - accuracy: 0.5000"));
-  EXPECT_THAT(said, ::testing::EndsWith(" - test_accuracy: 0.9000\n"));
+  EXPECT_THAT(said, ::testing::EndsWith(" - test_accuracy: 0.9000\033[K\n"));
 }
 
 // The summary is JSON whatever the run gave: a diverged loss is null (it

@@ -125,6 +125,8 @@ TEST(ClusterSpecTest, LocalReplicasKnowThisMachinesHostName) {
   // are not.
   EXPECT_EQ(spec.local_replicas("box7"), 3);
   EXPECT_EQ(spec.local_replicas("BOX7"), 3);
+  // A fully qualified host name: its first label names it too.
+  EXPECT_EQ(spec.local_replicas("box7.lab.example"), 3);
   // Under another host name, "Box7:3" is a machine of its own.
   EXPECT_EQ(spec.local_replicas("elsewhere"), 1);
   EXPECT_EQ(spec.local_replicas(""), 1);

@@ -140,7 +140,7 @@ TEST(CheckRetryOptionsTest, RefusesWaitsThatMeanNothing) {
       {[](RetryOptions* o) { o->jitter = 1.0; }, "jitter is 1; expected at least 0 and below 1"},
       {[](RetryOptions* o) { o->jitter = -0.1; }, "jitter is -0.1"},
       {[](RetryOptions* o) { o->jitter = std::nan(""); }, "jitter is nan"},
-      {[](RetryOptions* o) { o->multiplier = 0.5; }, "multiplier is 0.5; expected 1 or more"},
+      {[](RetryOptions* o) { o->multiplier = 0.5; }, "multiplier is 0.5; expected 1 to 1e9"},
       {[](RetryOptions* o) { o->initial_backoff = absl::Seconds(10); },
        "initial_backoff is 10s; expected 0 to max_backoff (5s)"},
       {[](RetryOptions* o) { o->initial_backoff = absl::Seconds(-1); }, "initial_backoff is -1s"},

@@ -803,7 +803,8 @@ int64_t VirtualBytes() {
 }
 
 // A segment that finds no memory for the copy a pull needs is refused and
-// leaves the part as it was, its version (Adam's step count) included; with
+// leaves the part as it was, its version (Adam's step count) and its record
+// under the request id included; with
 // memory again, the same id applies it as the part's first step. Prints what
 // it saw.
 void PushIntoAFullAddressSpace() {
@@ -823,18 +824,21 @@ void PushIntoAFullAddressSpace() {
   getrlimit(RLIMIT_AS, &before);
   rlimit low = before;
   low.rlim_cur = static_cast<rlim_t>(VirtualBytes() + (64 << 10));
-  setrlimit(RLIMIT_AS, &low);
+  const bool limited = setrlimit(RLIMIT_AS, &low) == 0;
+  const int64_t ledger_before = store->stats().ledger_bytes;
   const absl::Status refused = push->Apply("w", 0, g.data(), 16);
   setrlimit(RLIMIT_AS, &before);
+  const int64_t ledger_grew = store->stats().ledger_bytes - ledger_before;
   for (const PinnedValues& pin : pins) VariableStore::Unpin(pin.pin);
   const int64_t version = store->GetPart("w")->version;
   const float value = ReadAll(store.get(), "w", 1)[0];
   const bool again = push->Apply("w", 0, g.data(), 16).ok();
   std::fprintf(stderr,
-               "first=%d pinned=%d refused: %s; version %lld, w[0] %g; again=%d: "
-               "version %lld, w[0] %g\n",
-               first, pinned, refused.ToString().c_str(), static_cast<long long>(version), value,
-               again, static_cast<long long>(store->GetPart("w")->version),
+               "first=%d pinned=%d limited=%d refused: %s; ledger +%lld, version %lld, w[0] %g; "
+               "again=%d: version %lld, w[0] %g\n",
+               first, pinned, limited, refused.ToString().c_str(),
+               static_cast<long long>(ledger_grew), static_cast<long long>(version), value, again,
+               static_cast<long long>(store->GetPart("w")->version),
                ReadAll(store.get(), "w", 1)[0]);
 }
 
@@ -845,8 +849,9 @@ TEST(VariableStoreDeathTest, SegmentWithoutMemoryForACopyLeavesTheVersion) {
   // In a fresh process, whose heap has no free 256 KiB block to give.
   ::testing::GTEST_FLAG(death_test_style) = "threadsafe";
   EXPECT_EXIT((PushIntoAFullAddressSpace(), std::_Exit(0)), ::testing::ExitedWithCode(0),
-              "first=1 pinned=1 refused: RESOURCE_EXHAUSTED: .*nothing of elements \\[0,16\\) "
-              "was applied; version 0, w\\[0\\] 0; again=1: version 1, w\\[0\\] -1\n");
+              "first=1 pinned=1 limited=1 refused: RESOURCE_EXHAUSTED: .*nothing of elements "
+              "\\[0,16\\) was applied; ledger \\+0, version 0, w\\[0\\] 0; again=1: version 1, "
+              "w\\[0\\] -1\n");
 #endif
 }
 
