@@ -710,8 +710,8 @@ int64_t VariableStore::TrimLedgerLocked(std::chrono::steady_clock::time_point no
   // applying (a retry of it, or a late stream of the same push, would find
   // no record and apply twice): it is passed over and stays where it is in
   // the queue. (A session holds its id's record from its first segment
-  // that passed the checks; one that has applied none yet does not.) Each id is looked at once at
-  // most, and the newest is always kept.
+  // that passed the checks; one that has applied none yet does not.) Each
+  // id is looked at once at most, and the newest is always kept.
   int64_t forgotten_early = 0;
   absl::InlinedVector<uint64_t, 4> in_use;  // passed over, oldest first
   for (size_t older = ledger_order_.size() - 1; older > 0 && !ledger_order_.empty(); --older) {

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/random/random.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
@@ -725,8 +726,8 @@ class GrpcPsClient final : public PsClient {
       size_t variable;
       bool output;
     };
-    std::vector<Span> spans;
-    spans.reserve(2 * grads.size());
+    // On the stack for models of up to 32 variables: this runs every step.
+    absl::InlinedVector<Span, 64> spans;
     for (size_t v = 0; v < grads.size(); ++v) {
       const uintptr_t bytes = static_cast<uintptr_t>(plan_.variables()[v].num_elements()) * 4;
       if (bytes == 0) continue;

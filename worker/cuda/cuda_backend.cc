@@ -325,11 +325,9 @@ absl::Status CudaBackend::Prepare(const ModelDef& model, int max_batch) {
   const bool capped = options_.gpu_memory_limit_mb > 0;
   // A cap beyond the GPU's memory caps nothing (and beyond 2^64 bytes the
   // conversion was undefined: infinity gave a cap of 0 bytes).
-  const size_t allowed =
-      capped && options_.gpu_memory_limit_mb * 1024.0 * 1024.0 < static_cast<double>(total_bytes)
-          ? static_cast<size_t>(options_.gpu_memory_limit_mb * 1024.0 * 1024.0)
-      : capped ? total_bytes
-               : free_bytes;
+  const double cap_bytes =
+      std::min(options_.gpu_memory_limit_mb * 1024.0 * 1024.0, static_cast<double>(total_bytes));
+  const size_t allowed = capped ? static_cast<size_t>(cap_bytes) : free_bytes;
   auto exhausted = [&](size_t needed) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "cuda: model \"%s\" at batch %d needs %.1f MB of GPU memory but %s", model_.spec,
