@@ -92,6 +92,10 @@ ABSL_FLAG(bool, raw_opt, true,
           "and applies --optimizer to it as soon as it has arrived), and raw_pipe: the same "
           "with the receiver only reading and a second thread scanning and applying, as a "
           "shard with applier threads does.");
+ABSL_FLAG(bool, raw_conns, true,
+          "When the push uses more than one connection (2 shards, or --streams above 1), also "
+          "time raw_conns: the same bytes split evenly over as many plain sockets, sent by as "
+          "many threads at once, so that the push and pull have a like-for-like reference.");
 
 extern char** environ;
 
@@ -500,6 +504,34 @@ class RawLink {
   std::thread receiver_;
 };
 
+// The same bytes split over `connections` plain sockets (raw_conns): each
+// gets an even share (whole floats; the last one takes the rest), and
+// Transfer() sends on all of them at once, one thread per connection, as
+// the client sends to several shards or over several streams. It is the
+// reference for a push that uses that many connections; a single stream
+// (`raw`) is the issue's.
+class RawLinks {
+ public:
+  RawLinks(bool unix_socket, size_t bytes, int connections) {
+    const size_t share = bytes / 4 / connections * 4;
+    for (int i = 0; i < connections; ++i) {
+      const size_t mine = i + 1 < connections ? share : bytes - share * (connections - 1);
+      links_.push_back(std::make_unique<RawLink>(unix_socket, mine));
+    }
+  }
+  void Transfer() {
+    std::vector<std::thread> threads;
+    for (size_t i = 1; i < links_.size(); ++i) {
+      threads.emplace_back([this, i] { links_[i]->Transfer(); });
+    }
+    links_[0]->Transfer();
+    for (auto& t : threads) t.join();
+  }
+
+ private:
+  std::vector<std::unique_ptr<RawLink>> links_;
+};
+
 // ---- ps_server processes ----
 
 int FreePort() {
@@ -580,7 +612,7 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing raw, raw_opt, raw_pipe, push, pull, push_pull;
+  Timing raw, raw_opt, raw_pipe, raw_conns, push, pull, push_pull;
   std::vector<psflow::StatusResponse> status;
 };
 
@@ -590,7 +622,8 @@ struct Run {
 // same state of this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
              const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1,
-             RawLink* raw_opt = nullptr, RawLink* raw_pipe = nullptr) {
+             RawLink* raw_opt = nullptr, RawLink* raw_pipe = nullptr,
+             RawLinks* raw_conns = nullptr) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
@@ -669,11 +702,13 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
     if (raw != nullptr) raw->Transfer();
     if (raw_opt != nullptr) raw_opt->Transfer();
     if (raw_pipe != nullptr) raw_pipe->Transfer();
+    if (raw_conns != nullptr) raw_conns->Transfer();
     if (do_push) push();
     if (do_pull) pull();
     if (do_push_pull) push_pull();
   }
-  OpStats raw_stats, raw_opt_stats, raw_pipe_stats, push_stats, pull_stats, push_pull_stats;
+  OpStats raw_stats, raw_opt_stats, raw_pipe_stats, raw_conns_stats, push_stats, pull_stats,
+      push_pull_stats;
   for (int done = 0; done < iterations; done += batch) {
     const int n = std::min(batch, iterations - done);
     if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
@@ -681,6 +716,9 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
     if (raw_pipe != nullptr)
       TimeBatch(
           n, [&] { raw_pipe->Transfer(); }, {}, &raw_pipe_stats);
+    if (raw_conns != nullptr)
+      TimeBatch(
+          n, [&] { raw_conns->Transfer(); }, {}, &raw_conns_stats);
     if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
     if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
     if (do_push_pull) TimeBatch(n, push_pull, cluster.pids, &push_pull_stats);
@@ -689,6 +727,7 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   run.raw = Summarize(raw_stats);
   run.raw_opt = Summarize(raw_opt_stats);
   run.raw_pipe = Summarize(raw_pipe_stats);
+  run.raw_conns = Summarize(raw_conns_stats);
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
   run.push_pull = Summarize(push_pull_stats);
@@ -729,8 +768,8 @@ int main(int argc, char** argv) {
               absl::GetFlag(FLAGS_optimizer).c_str());
   // cpu_ms: CPU time per operation, user + system: the client (or, for
   // raw, the sender and receiver threads) and the ps_server processes.
-  std::printf("%-6s %-7s %-8s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op",
-              "median_ms", "mean_ms", "GB/s", "vs_raw", "client_cpu_ms", "server_cpu_ms");
+  std::printf("%-6s %-7s %-9s %10s %10s %9s %8s %13s %13s\n", "xport", "shards", "op", "median_ms",
+              "mean_ms", "GB/s", "vs_raw", "client_cpu_ms", "server_cpu_ms");
   const std::string transports = absl::GetFlag(FLAGS_transports);
   // The shards' optimizer, for raw_opt.
   psflow::server::OptimizerOptions optimizer_options;
@@ -750,8 +789,8 @@ int main(int argc, char** argv) {
                                   : bytes * std::max(1, absl::GetFlag(FLAGS_clients)) *
                                         (std::string_view(op) == "pushpull" ? 2 : 1);
     const double gbs = moved / t.median_s / 1e9, raw_gbs = bytes / raw.median_s / 1e9;
-    std::printf("%-6s %-7s %-8s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(),
-                op, t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
+    std::printf("%-6s %-7s %-9s %10.2f %10.2f %9.2f %8.2f %13.2f %13s\n", xport, shards.c_str(), op,
+                t.median_s * 1e3, t.mean_s * 1e3, gbs, gbs / raw_gbs, t.self_cpu_s * 1e3,
                 raw_like ? "-" : absl::StrFormat("%.2f", t.server_cpu_s * 1e3).c_str());
     // How busy the whole machine was meanwhile (jiffies, so a coarse mean).
     // (Clamped: with short batches the 10 ms ticks can overshoot.)
@@ -800,11 +839,18 @@ int main(int argc, char** argv) {
         // split over 4 connections each.
         const std::string shard_flag =
             streams == 1 ? shards_text : absl::StrCat(shards, "x", streams);
+        // As many plain connections as the push uses (each shard's streams).
+        std::unique_ptr<RawLinks> raw_conns;
+        if (absl::GetFlag(FLAGS_raw_conns) && shards * streams > 1) {
+          raw_conns =
+              std::make_unique<RawLinks>(unix_socket, static_cast<size_t>(bytes), shards * streams);
+        }
         Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams, raw_opt.get(),
-                           raw_pipe.get());
+                           raw_pipe.get(), raw_conns.get());
         print(name, shard_flag, "raw", run.raw, run.raw);
         print(name, shard_flag, "raw_opt", run.raw_opt, run.raw);
         print(name, shard_flag, "raw_pipe", run.raw_pipe, run.raw);
+        print(name, shard_flag, "raw_conns", run.raw_conns, run.raw);
         for (const auto& [reference, timing] :
              {std::pair{"raw_opt", &run.raw_opt}, std::pair{"raw_pipe", &run.raw_pipe}}) {
           if (timing->median_s == 0 || run.push.median_s == 0) continue;
@@ -817,6 +863,23 @@ int main(int argc, char** argv) {
         print(name, shard_flag, "push", run.push, run.raw);
         print(name, shard_flag, "pull", run.pull, run.raw);
         print(name, shard_flag, "pushpull", run.push_pull, run.raw);
+        if (run.raw_conns.median_s > 0) {
+          // Per byte, as above: the push and pull against as many plain
+          // connections as they use.
+          const int clients = std::max(1, absl::GetFlag(FLAGS_clients));
+          for (const auto& [op, timing] :
+               {std::pair{"push", &run.push}, std::pair{"pull", &run.pull}}) {
+            if (timing->median_s == 0) continue;
+            const double ratio = clients * run.raw_conns.median_s / timing->median_s;
+            std::printf("       %s vs raw_conns (%d connections): %.2f\n", op, shards * streams,
+                        ratio);
+            std::printf(
+                "JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\","
+                "\"connections\":%d,\"raw_conns_ms\":%.3f,\"vs_raw_conns\":%.3f}\n",
+                name, shard_flag.c_str(), op, shards * streams, run.raw_conns.median_s * 1e3,
+                ratio);
+          }
+        }
         if (run.push_pull.median_s > 0 && run.push.median_s > 0 && run.pull.median_s > 0) {
           // PushPull moves the bytes both ways: compare it with the two calls.
           const double apart = run.push.median_s + run.pull.median_s;
