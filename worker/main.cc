@@ -175,18 +175,24 @@ int main(int argc, char** argv) {
         absl::StrCat("--max_chunk_bytes=", chunk, "; expected 4 to ", kMaxChunkBytes, " (1 GiB)")));
   }
   // The summary is written at the end of training: find out now whether it
-  // can be, not after the run. A file the probe created is removed again, so
-  // that a run that fails leaves no empty summary behind.
+  // can be, not after the run. Then the file is removed: the one the probe
+  // created, so that a run that fails leaves no empty summary behind, and one
+  // an earlier run left, so that it cannot pass for this run's. Only a
+  // regular file is removed (not /dev/null or a pipe).
   if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
-    std::error_code error;
-    const bool existed = std::filesystem::exists(path, error);
     std::ofstream probe(path, std::ios::app);
     if (!probe) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(
           "--summary_json=", path, " cannot be written: ", std::strerror(errno))));
     }
     probe.close();
-    if (!existed) std::filesystem::remove(path, error);
+    std::error_code error;
+    if (std::filesystem::is_regular_file(path, error)) {
+      std::filesystem::remove(path, error);
+      if (error) {  // a directory we may not change: empty it at least
+        std::ofstream(path, std::ios::trunc).close();
+      }
+    }
   }
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
     // What to do instead, for the task types a TensorFlow job has.

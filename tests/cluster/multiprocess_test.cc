@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -163,6 +164,18 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     EXPECT_THAT(out, ::testing::HasSubstr("--batch_size=0"));
     struct stat st {};
     EXPECT_NE(::stat(summary.c_str(), &st), 0) << summary << " was left behind";
+  }
+  {
+    // A summary an earlier run left is gone when this run fails, so that a
+    // script reading it cannot take it for this run's.
+    const std::string summary = dir_ + "/stale.json";
+    std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
+    const auto [code, out] = RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts,
+                                       "--dataset=no_such_dataset", "--summary_json=" + summary});
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_THAT(out, ::testing::HasSubstr("no_such_dataset"));
+    struct stat st {};
+    EXPECT_NE(::stat(summary.c_str(), &st), 0) << "the earlier run's " << summary << " is left";
   }
   ::kill(ps, SIGTERM);
   EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");
