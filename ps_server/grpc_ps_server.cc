@@ -1277,13 +1277,18 @@ std::string PsServer::client_address() const {
 }
 
 void PsServer::Shutdown(absl::Duration grace) {
-  if (server_ == nullptr || shut_down_.exchange(true)) return;
-  if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
-  // In nanoseconds: whole seconds made a grace under 1 s none.
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::duration_cast<std::chrono::system_clock::duration>(
-                        absl::ToChronoNanoseconds(grace)));
-  server_->Wait();
+  if (server_ == nullptr) return;
+  // Another caller waits here until the first has shut the server down: it
+  // used to return at once, and a destructor then freed the server under
+  // the first caller's feet.
+  absl::call_once(shutdown_once_, [&] {
+    if (auto* health = server_->GetHealthCheckService()) health->SetServingStatus(false);
+    // In nanoseconds: whole seconds made a grace under 1 s none.
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+                          absl::ToChronoNanoseconds(grace)));
+    server_->Wait();
+  });
 }
 
 void PsServer::Wait() {

@@ -4,13 +4,13 @@
 #ifndef PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_
 #define PSFLOW_PS_SERVER_GRPC_PS_SERVER_H_
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/base/call_once.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "common/grpc_args.h"
@@ -80,7 +80,8 @@ class PsServer {
   VariableStore& store() { return *store_; }
 
   // Stops accepting calls, lets calls in flight finish for up to `grace`,
-  // then cancels them. Idempotent.
+  // then cancels them. Idempotent: a call from another thread meanwhile (or
+  // the destructor) waits for the first one to finish.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
   // Blocks until the server has shut down.
   void Wait();
@@ -93,7 +94,7 @@ class PsServer {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
-  std::atomic<bool> shut_down_{false};
+  absl::once_flag shutdown_once_;
 };
 
 }  // namespace psflow::server

@@ -1771,6 +1771,40 @@ TEST(PsServerStartTest, ClientsMayPingWhileNoCallIsOpen) {
   (*server)->Shutdown();
 }
 
+// Shutdown from a second thread (or the destructor) while the first is
+// still waiting out its grace for a call in flight returns only once the
+// server is down: it used to return at once, and an embedder that then
+// destroyed the server freed it under the first caller.
+TEST(PsServerStartTest, SecondShutdownWaitsForTheFirst) {
+  PsServerOptions options;
+  options.address = "127.0.0.1:0";
+  auto server = PsServer::Start(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stub = ParameterServer::NewStub(
+      grpc::CreateChannel((*server)->client_address(), grpc::InsecureChannelCredentials()));
+  // A push stream left open: the shard's handler waits for its first
+  // message (the stream's opening reaches it before Push returns).
+  grpc::ClientContext context;
+  PushResponse response;
+  auto writer = stub->Push(&context, &response);
+  std::thread first([&] { (*server)->Shutdown(absl::Seconds(60)); });
+  // (The pauses only give the old behaviour time to show; the order of
+  // the two Shutdown calls does not matter to the check.)
+  absl::SleepFor(absl::Milliseconds(200));
+  std::atomic<bool> call_ending{false};
+  std::thread ender([&] {
+    absl::SleepFor(absl::Milliseconds(500));
+    call_ending = true;
+    writer->WritesDone();
+    writer->Finish().IgnoreError();
+  });
+  (*server)->Shutdown();
+  EXPECT_TRUE(call_ending) << "the second Shutdown returned while the first still waited for "
+                              "the call in flight";
+  ender.join();
+  first.join();
+}
+
 // The client retries UNAVAILABLE with backoff: a server that comes up late
 // is reached.
 TEST_F(PsClusterTest, ClientRetriesUntilServerComesUp) {
