@@ -17,6 +17,10 @@
 //   Adagrad: acc += g * g
 //            p -= lr * g / sqrt(acc + epsilon)
 //
+// As TensorFlow runs its CPU kernels, Apply flushes denormal results to zero
+// and reads denormal inputs as zero (and restores the thread's mode after),
+// so no slot decays into denormals, where each update is many times slower.
+//
 // lr may follow a schedule of the update count, as a Keras
 // LearningRateSchedule passed as learning_rate does (evaluated at the
 // optimizer's iterations before the update, i.e. at step - 1):

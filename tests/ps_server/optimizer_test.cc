@@ -3,6 +3,8 @@
 // independently here in double precision, and by hand.
 #include "ps_server/optimizer.h"
 
+#include <xmmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -315,6 +317,66 @@ TEST(OptimizerTest, AdamFirstStepMovesByLearningRateTimesSign) {
   EXPECT_EQ(v[0], 0.004f);
   EXPECT_EQ(v[1], 0.00025f);
   EXPECT_EQ(v[2], 0.0f);
+}
+
+// A float with every denormal result replaced by 0, as on a CPU that
+// flushes them; for the references below, computed one operation at a time.
+float Flushed(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? 0.0f : x; }
+
+// TensorFlow runs its CPU kernels with denormals flushed to zero (results)
+// and read as zero (inputs), so Keras's optimizer state never holds one.
+TEST(OptimizerTest, DenormalsAreFlushedToZeroAsTensorFlowDoes) {
+  const float denormal = 1e-39f;
+  ASSERT_EQ(std::fpclassify(denormal), FP_SUBNORMAL);
+  constexpr unsigned kModes = 0x8000 | 0x0040;  // MXCSR: flush to zero, denormals are zero
+  const unsigned modes_before = _mm_getcsr() & kModes;
+  {
+    // A denormal gradient counts as 0: nothing moves.
+    std::unique_ptr<Optimizer> opt = MustCreate({});
+    float p = 0.0f, m = 0.0f, v = 0.0f, g = denormal;
+    float* slots[] = {&m, &v};
+    opt->Apply(1, &p, slots, &g, 1);
+    EXPECT_EQ(p, 0.0f);
+    EXPECT_EQ(m, 0.0f);
+    EXPECT_EQ(v, 0.0f);
+  }
+  // One real gradient, then zeros (a dead ReLU unit): a moment decays
+  // until its decrement is below the smallest normal float, which flushes
+  // to 0, and there it stays (at about 1e-37 for Adam's m). Kept denormal,
+  // it went on down to 2^-147, every update of it on the CPU's slow path.
+  {
+    std::unique_ptr<Optimizer> opt = MustCreate({});
+    float p = 0.0f, m = 0.0f, v = 0.0f, g = 1.0f;
+    float* slots[] = {&m, &v};
+    opt->Apply(1, &p, slots, &g, 1);
+    float want = 0.1f;  // Keras: m += (g - m) * (1 - beta_1)
+    g = 0.0f;
+    for (int step = 2; step <= 1000; ++step) {
+      opt->Apply(step, &p, slots, &g, 1);
+      want = Flushed(want + Flushed((0.0f - want) * 0.1f));
+    }
+    EXPECT_EQ(m, want) << "m = " << m;
+    EXPECT_NE(std::fpclassify(m), FP_SUBNORMAL) << m;
+  }
+  {
+    OptimizerOptions o;
+    o.kind = Kind::kSgd;
+    o.momentum = 0.9;
+    std::unique_ptr<Optimizer> opt = MustCreate(o);
+    float p = 0.0f, m = 0.0f, g = 1.0f;
+    float* slots[] = {&m};
+    opt->Apply(1, &p, slots, &g, 1);
+    float want = m;  // Keras: m = momentum * m - lr * g
+    g = 0.0f;
+    for (int step = 2; step <= 1000; ++step) {
+      opt->Apply(step, &p, slots, &g, 1);
+      want = Flushed(Flushed(0.9f * want) - 0.0f);
+    }
+    EXPECT_EQ(m, want) << "m = " << m;
+    EXPECT_NE(std::fpclassify(m), FP_SUBNORMAL) << m;
+  }
+  // The caller's own modes are left as they were.
+  EXPECT_EQ(_mm_getcsr() & kModes, modes_before);
 }
 
 TEST(OptimizerTest, SgdMomentumAndNesterovByHand) {
