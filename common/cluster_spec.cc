@@ -218,7 +218,8 @@ absl::Status ParseTask(const Value& task, Draft* d) {
 }
 
 // INVALID_ARGUMENT once lists and objects in `json` (outside strings) nest
-// deeper than kMaxJsonDepth. Malformed input is the parser's to report.
+// deeper than kMaxJsonDepth, or a string is single-quoted. Other malformed
+// input is the parser's to report.
 absl::Status CheckJsonDepth(absl::string_view json) {
   int depth = 0;
   bool in_string = false;
@@ -232,6 +233,16 @@ absl::Status CheckJsonDepth(absl::string_view json) {
       }
     } else if (c == '"') {
       in_string = true;
+    } else if (c == '\'') {
+      // Protobuf's parser takes 'single-quoted' strings, which JSON (and
+      // TensorFlow's json.loads) does not. This scan would have missed
+      // where such a string ends: a '"' in one hid every bracket after it,
+      // and a deep nest then took the parser minutes (with the shard's
+      // SIGTERM blocked).
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "TF_CONFIG has a single-quoted string at byte %d; expected JSON, whose strings "
+          "are in double quotes",
+          i));
     } else if (c == '[' || c == '{') {
       if (++depth > kMaxJsonDepth) {
         return absl::InvalidArgumentError(absl::StrFormat(
@@ -240,7 +251,7 @@ absl::Status CheckJsonDepth(absl::string_view json) {
             "3 deep",
             kMaxJsonDepth, i));
       }
-    } else if (c == ']' || c == '}') {
+    } else if ((c == ']' || c == '}') && depth > 0) {  // a stray one is the parser's
       --depth;
     }
   }

@@ -451,6 +451,17 @@ TEST(ClusterSpecTest, DeepNestingIsRefusedBeforeParsing) {
   // Brackets inside strings do not count.
   MustParse(R"({"x":")" + std::string(100, '[') +
             R"(","cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0}})");
+  // Nor does an apostrophe inside one.
+  MustParse(R"({"x":"it's","cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0}})");
+  // A single-quoted string (which protobuf's parser takes and JSON does
+  // not) holding a '"' used to hide every bracket after it from the count.
+  const std::string hidden =
+      R"({'x':'"', "y":)" + deep + R"(,"cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0}})";
+  EXPECT_THAT(TfConfigError(hidden), HasSubstr("single-quoted string at byte 1"));
+  // Stray closing brackets first do not lower the count for what follows.
+  const std::string stray = R"({"x":)" + std::string(60000, ']') + deep +
+                            R"(,"cluster":{"ps":["p:1"]},"task":{"type":"ps","index":0}})";
+  EXPECT_THAT(TfConfigError(stray), HasSubstr("more than 16 deep"));
 }
 
 TEST(ClusterSpecTest, ControlAndNonAsciiBytesAreEscapedInMessages) {
