@@ -59,6 +59,7 @@ absl::Status Validate(const std::vector<VariableSpec>& variables, const Partitio
         "partition plan: min_split_bytes is %d; expected >= 1", options.min_split_bytes));
   }
   absl::flat_hash_map<std::string_view, int> seen;
+  int64_t total = 0;  // bytes of the variables so far
   for (size_t i = 0; i < variables.size(); ++i) {
     const VariableSpec& v = variables[i];
     if (v.name.empty()) {
@@ -90,6 +91,15 @@ absl::Status Validate(const std::vector<VariableSpec>& variables, const Partitio
           absl::StrFormat("partition plan: variable \"%s\" has shape %s, which overflows a "
                           "64-bit byte count",
                           v.name, ShapeString(v.shape)));
+    }
+    // The whole model's bytes too: no shard's load can then overflow
+    // (which placed parts against a negative load, and the plan differed
+    // from PROTOCOL.md's rule).
+    if (__builtin_add_overflow(total, bytes, &total)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "partition plan: the variables up to \"%s\" (#%d) hold more bytes than a 64-bit "
+          "count; expected a model under 8 EiB",
+          v.name, i));
     }
   }
   return absl::OkStatus();

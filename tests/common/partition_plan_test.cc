@@ -390,6 +390,10 @@ TEST(PartitionPlanTest, RejectsBadOptionsAndVariables) {
   ExpectInvalid({{"w", {4, 0}}}, ok, "\"w\" has shape [4,0]: dimension 1 is 0");
   ExpectInvalid({{"w", {-3}}}, ok, "\"w\" has shape [-3]");
   ExpectInvalid({{"huge", {int64_t{1} << 40, int64_t{1} << 30}}}, ok, "\"huge\"");
+  // Each fits a 64-bit byte count, their sum does not (a shard's load
+  // used to wrap to a negative number).
+  ExpectInvalid({{"a", {int64_t{1} << 60}}, {"b", {int64_t{1} << 60}}}, ok,
+                "the variables up to \"b\" (#1) hold more bytes than a 64-bit count");
   ExpectInvalid({}, zero_shards, "num_shards");
 }
 
