@@ -59,7 +59,10 @@ ABSL_FLAG(int, threads, 0,
           "CPU threads for compute (0: the usable cores (CPU affinity, the container's CPU "
           "limit) shared among the cluster's chief and workers on this machine, at least 1; at "
           "most 256).");
-ABSL_FLAG(double, gpu_memory_limit_mb, 0, "CUDA: most device memory the worker may take (0: no cap).");
+ABSL_FLAG(double, gpu_memory_limit_mb, 0,
+          "CUDA: most device memory the worker's buffers may take (parameters, activations, "
+          "gradients, workspaces; never more than is free). The CUDA context and the "
+          "libraries' handles, a few hundred MB, come on top (0: no cap).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial values and the shuffling (same on every worker).");
 ABSL_FLAG(bool, overlap, true, "Overlap push/pull of one step with the compute of the next.");
 ABSL_FLAG(bool, fused_push_pull, false,

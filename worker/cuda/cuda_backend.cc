@@ -93,6 +93,10 @@ class CudaBackend final : public ComputeBackend {
   absl::Status RunStep(absl::Span<const float* const> params, const float* images,
                        const int32_t* labels, int batch, absl::Span<float* const> grads,
                        bool train, StepResult* result);
+  // RunStep's copies and kernels, once its arguments have been checked.
+  absl::Status QueueStep(const BatchPlan* plan, absl::Span<const float* const> params,
+                         const float* images, const int32_t* labels, int batch,
+                         absl::Span<float* const> grads, bool train, StepResult* result);
   absl::Status Forward(const BatchPlan& plan, int batch);
   absl::Status Backward(const BatchPlan& plan, int batch);
   absl::Status LayerForward(size_t i, const BatchLayerPlan& b, int batch);
@@ -327,13 +331,21 @@ absl::Status CudaBackend::Prepare(const ModelDef& model, int max_batch) {
   // conversion was undefined: infinity gave a cap of 0 bytes).
   const double cap_bytes =
       std::min(options_.gpu_memory_limit_mb * 1024.0 * 1024.0, static_cast<double>(total_bytes));
-  const size_t allowed = capped ? static_cast<size_t>(cap_bytes) : free_bytes;
+  // The cap, and never more than is free: on a GPU shared with other
+  // processes the cap alone let the convolutions pick workspaces that the
+  // allocation then could not get.
+  const size_t cap = capped ? static_cast<size_t>(cap_bytes) : free_bytes;
+  const size_t allowed = std::min(cap, free_bytes);
   auto exhausted = [&](size_t needed) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "cuda: model \"%s\" at batch %d needs %.1f MB of GPU memory but %s", model_.spec,
-        max_batch, Mb(needed),
-        capped ? absl::StrFormat("gpu_memory_limit_mb allows %.1f MB", Mb(allowed))
-               : absl::StrFormat("only %.1f MB are free on the GPU", Mb(allowed))));
+        "cuda: model \"%s\" at batch %d needs %.1f MB of GPU memory but %s", model_.spec, max_batch,
+        Mb(needed),
+        cap < free_bytes
+            ? absl::StrFormat("gpu_memory_limit_mb allows %.1f MB", Mb(allowed))
+            : absl::StrFormat(
+                  "only %.1f MB are free on the GPU%s", Mb(allowed),
+                  capped ? absl::StrFormat(" (gpu_memory_limit_mb would allow %.1f)", Mb(cap))
+                         : "")));
   };
   if (fixed > allowed) return exhausted(fixed);
   const size_t workspace_limit = std::min(kMaxConvWorkspaceBytes, allowed - fixed);
@@ -413,6 +425,14 @@ absl::Status CudaBackend::RunStep(absl::Span<const float* const> params, const f
   if (images == nullptr || labels == nullptr || result == nullptr) {
     return absl::InvalidArgumentError("cuda: images, labels and result must not be null");
   }
+  // As the CPU backends: a null buffer is refused, not dereferenced.
+  for (size_t v = 0; v < nvars; ++v) {
+    if (params[v] == nullptr || (train && grads[v] == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda: the ", params[v] == nullptr ? "parameter" : "gradient", " buffer of ",
+                       model_.variables[v].name, " is null"));
+    }
+  }
   for (int b = 0; b < batch; ++b) {
     if (labels[b] < 0 || labels[b] >= model_.num_classes) {
       return absl::InvalidArgumentError(absl::StrCat("cuda: label of example ", b, " is ",
@@ -422,7 +442,22 @@ absl::Status CudaBackend::RunStep(absl::Span<const float* const> params, const f
   }
   PSFLOW_CUDA_RETURN_IF_ERROR(cudaSetDevice(options_.device_index));
   PSFLOW_ASSIGN_OR_RETURN(const BatchPlan* plan, PlanFor(batch));
+  absl::Status status = QueueStep(plan, params, images, labels, batch, grads, train, result);
+  if (!status.ok()) {
+    // What was queued before the failure may still read the staging
+    // buffers, which the next step would overwrite: let it finish. (Its
+    // own error, if any, is the one already being returned.)
+    cudaStreamSynchronize(stream_);
+    cudaGetLastError();
+  }
+  return status;
+}
 
+absl::Status CudaBackend::QueueStep(const BatchPlan* plan, absl::Span<const float* const> params,
+                                    const float* images, const int32_t* labels, int batch,
+                                    absl::Span<float* const> grads, bool train,
+                                    StepResult* result) {
+  const size_t nvars = model_.variables.size();
   // Parameters: pinned caller memory goes straight to the device (the copies
   // start at once and run while the others are staged); the rest is copied
   // into the staging buffer first.

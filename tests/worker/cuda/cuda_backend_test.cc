@@ -342,6 +342,29 @@ TEST(CudaBackendTest, BadArgumentsAreInvalidArgument) {
   EXPECT_THAT(out.status().message(), HasSubstr("label"));
   data.labels[1] = 0;
   EXPECT_EQ(Train(**cuda, *model, data, 3).status().code(), absl::StatusCode::kInvalidArgument);
+  // A null parameter or gradient buffer is refused, as by the CPU backends
+  // (it used to be dereferenced), and the backend still steps afterwards.
+  std::vector<const float*> params = data.param_ptrs();
+  std::vector<std::vector<float>> grads;
+  std::vector<float*> grad_ptrs;
+  for (const VariableSpec& v : model->variables) {
+    grads.emplace_back(v.num_elements());
+    grad_ptrs.push_back(grads.back().data());
+  }
+  StepResult r;
+  params[0] = nullptr;
+  absl::Status s =
+      (*cuda)->TrainStep(params, data.images.data(), data.labels.data(), 2, grad_ptrs, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("parameter buffer of " + model->variables[0].name));
+  EXPECT_EQ((*cuda)->Evaluate(params, data.images.data(), data.labels.data(), 2, &r).code(),
+            absl::StatusCode::kInvalidArgument);
+  params = data.param_ptrs();
+  grad_ptrs.back() = nullptr;
+  s = (*cuda)->TrainStep(params, data.images.data(), data.labels.data(), 2, grad_ptrs, &r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("gradient buffer of " + model->variables.back().name));
+  EXPECT_TRUE(Train(**cuda, *model, data, 2).ok());
 }
 
 // Runs only where there is no GPU (CI, the development machines).
