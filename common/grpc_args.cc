@@ -30,6 +30,10 @@ constexpr absl::string_view kStringArgs[] = {
     GRPC_ARG_CHANNEL_POOL_DOMAIN,
 };
 
+bool IsStringArg(absl::string_view name) {
+  return std::find(std::begin(kStringArgs), std::end(kStringArgs), name) != std::end(kStringArgs);
+}
+
 class ArgsOption : public grpc::ServerBuilderOption {
  public:
   explicit ArgsOption(GrpcArgs args) : args_(std::move(args)) {}
@@ -63,6 +67,7 @@ GrpcArgs KeepaliveGrpcArgs(absl::Duration time, absl::Duration timeout) {
 
 absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
   for (const auto& [name, value] : args) {
+    if (IsStringArg(name)) continue;  // any text, digits included
     int as_int = 0;
     if (absl::SimpleAtoi(value, &as_int)) continue;
     int64_t as_long = 0;
@@ -74,7 +79,7 @@ absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
     // gRPC reads every other argument as an integer and drops a string
     // given for one without a word: "grpc.so_reuseport=false" left its
     // default of 1 in force, and a second shard could take the port.
-    if (std::find(std::begin(kStringArgs), std::end(kStringArgs), name) == std::end(kStringArgs)) {
+    {
       return absl::InvalidArgumentError(absl::StrCat(
           "--", flag, ": ", name, "=", value,
           " is not an integer, which gRPC reads it as (it would drop the value without a word; "
@@ -88,7 +93,9 @@ absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
 void AddGrpcArgs(const GrpcArgs& args, grpc::ChannelArguments* out) {
   for (const auto& [name, value] : args) {
     int as_int = 0;
-    if (absl::SimpleAtoi(value, &as_int)) {
+    // A text argument stays text even when it is all digits: gRPC drops an
+    // integer given for it ("grpc.primary_user_agent=12345").
+    if (!IsStringArg(name) && absl::SimpleAtoi(value, &as_int)) {
       out->SetInt(name, as_int);
     } else {
       out->SetString(name, value);

@@ -1,6 +1,8 @@
 // Extra gRPC channel arguments given as name=value pairs (ps_server and
-// worker --grpc_arg, push_pull_bench --client_grpc_arg): a value that parses
-// as an integer is passed as one, else as a string.
+// worker --grpc_arg, push_pull_bench --client_grpc_arg). gRPC's few text
+// arguments ("grpc.primary_user_agent", "grpc.lb_policy_name", ...) are
+// passed as strings; every other value must be an integer, and is passed
+// as one.
 #ifndef PSFLOW_COMMON_GRPC_ARGS_H_
 #define PSFLOW_COMMON_GRPC_ARGS_H_
 
@@ -33,10 +35,8 @@ GrpcArgs OverrideGrpcArgs(GrpcArgs defaults, const GrpcArgs& overrides);
 GrpcArgs KeepaliveGrpcArgs(absl::Duration time, absl::Duration timeout);
 
 // OK, or INVALID_ARGUMENT naming --`flag` and the argument, for a value
-// gRPC would drop without a word: an integer beyond 32 bits (it would pass
-// as a string), or a value that is not an integer for an argument gRPC
-// reads as one (a name starting "grpc.keepalive_" or "grpc.http2.", or
-// ending "_ms", "_bytes", "_size", "_length" or "_count").
+// gRPC would drop without a word: for any argument but the text ones, a
+// value that is not an integer or is beyond 32 bits.
 absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args);
 
 // Adds `args` to a client channel's arguments.

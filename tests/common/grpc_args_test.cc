@@ -1,6 +1,10 @@
 #include "common/grpc_args.h"
 
+#include <string>
+
 #include "gmock/gmock.h"
+#include "grpc/grpc.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
 
 namespace psflow {
@@ -51,6 +55,36 @@ TEST(CheckGrpcArgsTest, RefusesValuesGrpcWouldDrop) {
                                          {"grpc.optimization_target", "throughput"},
                                          {"grpc.lb_policy_name", "round_robin"}})
                   .ok());
+}
+
+// gRPC drops an integer given for a text argument without a word
+// ("grpc.primary_user_agent=12345"): all-digit text stays a string.
+TEST(AddGrpcArgsTest, TextArgumentsStayTextEvenWhenAllDigits) {
+  const GrpcArgs args = {{"grpc.default_authority", "12345"},
+                         {"grpc.keepalive_time_ms", "1000"},
+                         {"grpc.lb_policy_name", "99999999999"}};
+  EXPECT_TRUE(CheckGrpcArgs("grpc_arg", args).ok());
+  grpc::ChannelArguments channel_args;
+  AddGrpcArgs(args, &channel_args);
+  const grpc_channel_args c = channel_args.c_channel_args();
+  int found = 0;
+  for (size_t i = 0; i < c.num_args; ++i) {
+    const std::string key = c.args[i].key;
+    if (key == "grpc.default_authority") {
+      ++found;
+      ASSERT_EQ(c.args[i].type, GRPC_ARG_STRING) << key;
+      EXPECT_STREQ(c.args[i].value.string, "12345");
+    } else if (key == "grpc.lb_policy_name") {
+      ++found;
+      ASSERT_EQ(c.args[i].type, GRPC_ARG_STRING) << key;
+      EXPECT_STREQ(c.args[i].value.string, "99999999999");
+    } else if (key == "grpc.keepalive_time_ms") {
+      ++found;
+      ASSERT_EQ(c.args[i].type, GRPC_ARG_INTEGER) << key;
+      EXPECT_EQ(c.args[i].value.integer, 1000);
+    }
+  }
+  EXPECT_EQ(found, 3);
 }
 
 TEST(KeepaliveGrpcArgsTest, GivesTheDurationsInMilliseconds) {
