@@ -1,5 +1,7 @@
 #include "common/cluster_spec.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -202,12 +204,22 @@ absl::Status ParseTask(const Value& task, Draft* d) {
   }
   if (auto it = fields.find("index"); it != fields.end()) {
     const Value& v = it->second;
+    // TensorFlow's resolver takes int(task["index"]), so a hand-written
+    // "index": "1" works there: here too.
+    if (int64_t index = 0;
+        v.kind_case() == Value::kStringValue && absl::SimpleAtoi(v.string_value(), &index)) {
+      d->task_index = index;
+      d->index_origin = {false, "task.index"};
+      return absl::OkStatus();
+    }
     // JSON numbers arrive as doubles; 2^53 bounds the exactly representable
     // integers, far beyond any task count.
     if (v.kind_case() != Value::kNumberValue || v.number_value() != std::floor(v.number_value()) ||
         std::fabs(v.number_value()) > 9007199254740992.0) {
-      std::string got =
-          v.kind_case() == Value::kNumberValue ? absl::StrCat(v.number_value()) : KindOf(v);
+      std::string got = v.kind_case() == Value::kNumberValue ? absl::StrCat(v.number_value())
+                        : v.kind_case() == Value::kStringValue
+                            ? "the string " + Quoted(v.string_value())
+                            : KindOf(v);
       return absl::InvalidArgumentError(
           absl::StrCat("TF_CONFIG: \"task.index\" must be an integer, got ", got));
     }
@@ -355,7 +367,21 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
 // where `allow_port_zero` (a listen address: any free port).
 std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
   if (absl::StartsWith(address, "unix:")) {
-    return address.size() > 5 ? "" : "has an empty unix socket path";
+    if (address.size() == 5) return "has an empty unix socket path";
+    // gRPC cuts the path at a NUL and listens on what comes before it.
+    for (char c : address) {
+      if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+        return absl::StrFormat("has the control byte '%s' in its unix socket path",
+                               absl::CHexEscape({&c, 1}));
+      }
+    }
+    return "";
+  }
+  for (absl::string_view scheme : {"ipv4:", "ipv6:", "dns:"}) {
+    if (absl::StartsWith(address, scheme)) {
+      return absl::StrFormat("has gRPC's %s scheme, which psflow's addresses do not take",
+                             Quoted(scheme));
+    }
   }
   // Else read as host "unix-abstract", port N: a shard listened on the
   // abstract socket N while its workers dialled TCP port N.
@@ -376,6 +402,11 @@ std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
                                   : (i == percent || absl::ascii_isalnum(c) || c == '-' ||
                                      c == '_' || c == '.');
       if (!ok) return absl::StrFormat("has '%s' in its IPv6 address", absl::CHexEscape({&c, 1}));
+    }
+    in6_addr parsed;
+    if (::inet_pton(AF_INET6, std::string(host.substr(0, percent)).c_str(), &parsed) != 1) {
+      return absl::StrFormat("has %s in brackets, which is not an IPv6 address",
+                             Quoted(host.substr(0, percent)));
     }
     if (close + 1 >= address.size() || address[close + 1] != ':') return "has no \":port\"";
     port = address.substr(close + 2);
@@ -402,6 +433,12 @@ std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
   }
   int value = 0;
   const int lowest = allow_port_zero ? 0 : 1;
+  if (port.size() > 1 && port[0] == '0') {
+    return absl::StrFormat(
+        "has port %s, with a leading zero; expected %d..65535 as written "
+        "without one",
+        Quoted(port), lowest);
+  }
   if (port.size() > 5 || !absl::SimpleAtoi(port, &value) || value < lowest || value > 65535) {
     return absl::StrFormat("has port %s, outside %d..65535", Quoted(port), lowest);
   }
@@ -432,7 +469,19 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
         absl::StrFormat("%s has %d addresses; expected at most one chief",
                         d.job_origin[kChief].Where(), d.jobs[kChief].size()));
   }
-  absl::flat_hash_map<absl::string_view, std::string> seen;  // address -> its name
+  // Address -> its name. Host names are compared without case and ports as
+  // numbers ("LOCALHOST:02222" is "localhost:2222"), as the resolver and
+  // the socket see them.
+  absl::flat_hash_map<std::string, std::string> seen;
+  auto same_address_key = [](const std::string& address) {
+    const size_t colon = address.rfind(':');
+    int port = 0;
+    if (absl::StartsWith(address, "unix:") || colon == std::string::npos ||
+        !absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &port)) {
+      return address;
+    }
+    return absl::StrCat(absl::AsciiStrToLower(address.substr(0, colon)), ":", port);
+  };
   for (int j = 0; j < kNumJobs; ++j) {
     for (size_t i = 0; i < d.jobs[j].size(); ++i) {
       const std::string& address = d.jobs[j][i];
@@ -443,7 +492,7 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
                                                           Quoted(address), problem,
                                                           kExpectedAddress));
       }
-      auto [it, inserted] = seen.emplace(address, d.job_origin[j].ItemName(i));
+      auto [it, inserted] = seen.emplace(same_address_key(address), d.job_origin[j].ItemName(i));
       if (!inserted) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "%s is %s, the same address as %s; expected every task to have its own address",

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -234,8 +235,12 @@ TEST(ClusterSpecTest, RejectsWrongJsonTypesNamingTheKey) {
   EXPECT_THAT(TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":1}})"),
               HasSubstr("\"task.type\" must be a string"));
   EXPECT_THAT(
-      TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"worker","index":"0"}})"),
-      HasSubstr("\"task.index\" must be an integer, got a string"));
+      TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"worker","index":"one"}})"),
+      HasSubstr("\"task.index\" must be an integer, got the string \"one\""));
+  // As TensorFlow's int(task["index"]): an integer in a string is taken.
+  const ClusterSpec quoted =
+      MustParse(R"({"cluster":{"worker":["w:1","w:2"]},"task":{"type":"worker","index":"1"}})");
+  EXPECT_EQ(quoted.task_index, 1);
   EXPECT_THAT(
       TfConfigError(R"({"cluster":{"worker":["w:1"]},"task":{"type":"worker","index":0.5}})"),
       HasSubstr("\"task.index\" must be an integer, got 0.5"));
@@ -273,14 +278,38 @@ TEST(ClusterSpecTest, RejectsMissingPieces) {
 }
 
 TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
-  for (const char* bad : {"h:0", "h:65536", "h:abc", "h", "h:", ":80", "h:-1", "h: 80", "h :80",
-                          "::1:80", "[::1]", "[::1]80", "[]:80", "[::g]:80", "[::1%]:80x",
-                          "unix:", "h:123456", "http://h:80", "unix-abstract:80"}) {
+  for (const char* bad : {"h:0",
+                          "h:65536",
+                          "h:abc",
+                          "h",
+                          "h:",
+                          ":80",
+                          "h:-1",
+                          "h: 80",
+                          "h :80",
+                          "::1:80",
+                          "[::1]",
+                          "[::1]80",
+                          "[]:80",
+                          "[::g]:80",
+                          "[::1%]:80x",
+                          "unix:",
+                          "h:123456",
+                          "http://h:80",
+                          "unix-abstract:80",
+                          "[:]:80",
+                          "ipv4:127.0.0.1:80",
+                          "h:023456",
+                          "h:080",
+                          "unix:/tmp/a\\u0000z",
+                          "unix:/tmp/a\\nb"}) {
     const std::string json = std::string(R"({"cluster":{"worker":["ok:1",")") + bad +
                              R"("]},"task":{"type":"worker","index":0}})";
     const std::string error = TfConfigError(json);
+    // (The JSON escapes \u0000 and \n come back escaped as C.)
+    const std::string shown = absl::StrReplaceAll(bad, {{"\\u0000", "\\x00"}, {"\\n", "\\n"}});
     EXPECT_THAT(error,
-                HasSubstr(std::string("TF_CONFIG: \"cluster.worker[1]\" is \"") + bad + "\""))
+                HasSubstr(std::string("TF_CONFIG: \"cluster.worker[1]\" is \"") + shown + "\""))
         << bad;
     EXPECT_THAT(error, HasSubstr("expected \"host:port\" with a port in 1..65535")) << bad;
   }
@@ -289,6 +318,15 @@ TEST(ClusterSpecTest, RejectsBadAddressesNamingKeyAndValue) {
 TEST(ClusterSpecTest, AUrlIsNotAnAddress) {
   EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["http://h0:2222"]},"task":{"type":"ps"}})"),
               HasSubstr("is \"http://h0:2222\", which has a URL scheme (\"http://\")"));
+  // Each reason says what is wrong, not a neighbour's.
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["ipv4:10.0.0.1:2222"]},"task":{"type":"ps"}})"),
+              HasSubstr("which has gRPC's \"ipv4:\" scheme"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["h:023456"]},"task":{"type":"ps"}})"),
+              HasSubstr("has port \"023456\", with a leading zero"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["[:]:2222"]},"task":{"type":"ps"}})"),
+              HasSubstr("has \":\" in brackets, which is not an IPv6 address"));
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":["unix:/tmp/a\u0000b"]},"task":{"type":"ps"}})"),
+              HasSubstr("has the control byte '\\x00' in its unix socket path"));
 }
 
 TEST(ClusterSpecTest, RejectsDuplicateAddressesAndTwoChiefs) {
@@ -299,6 +337,11 @@ TEST(ClusterSpecTest, RejectsDuplicateAddressesAndTwoChiefs) {
   EXPECT_THAT(
       TfConfigError(R"({"cluster":{"chief":["a:1","b:1"]},"task":{"type":"chief","index":0}})"),
       HasSubstr("\"cluster.chief\" has 2 addresses; expected at most one chief"));
+  // Host names are the same in any case (the resolver ignores it).
+  EXPECT_THAT(
+      TfConfigError(
+          R"({"cluster":{"ps":["localhost:2222","LocalHost:2222"]},"task":{"type":"ps","index":0}})"),
+      HasSubstr("\"cluster.ps[1]\" is \"LocalHost:2222\", the same address as \"cluster.ps[0]\""));
 }
 
 TEST(ResolveClusterTest, FlagsAlone) {
