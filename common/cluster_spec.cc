@@ -280,12 +280,11 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
   const absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(json);
   if (!trimmed.empty() && trimmed[0] != '{') {
     const char c = trimmed[0];
-    return absl::InvalidArgumentError(
-        absl::StrCat("TF_CONFIG must be a JSON object, got ",
-                     c == '['   ? "a list"
-                     : c == '"' ? "a string"
-                                : absl::StrCat("'", trimmed.substr(0, 20), "'"),
-                     "; ", kExpectedTfConfig));
+    return absl::InvalidArgumentError(absl::StrCat("TF_CONFIG must be a JSON object, got ",
+                                                   c == '['   ? "a list"
+                                                   : c == '"' ? "a string"
+                                                              : Quoted(trimmed.substr(0, 20)),
+                                                   "; ", kExpectedTfConfig));
   }
   PSFLOW_RETURN_IF_ERROR(CheckJsonDepth(json));
   Struct root;
@@ -297,8 +296,8 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
     const std::string message(status.message());
     const absl::string_view first_line =
         absl::StripAsciiWhitespace(absl::string_view(message).substr(0, message.find('\n')));
-    return absl::InvalidArgumentError(
-        absl::StrCat("TF_CONFIG is not valid JSON: ", first_line, "; ", kExpectedTfConfig));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "TF_CONFIG is not valid JSON: ", absl::CHexEscape(first_line), "; ", kExpectedTfConfig));
   }
   // Other top-level keys ("environment", "rpc_layer", ...) are not ours.
   if (root.fields().contains("sparseCluster") && !root.fields().contains("cluster")) {
@@ -690,7 +689,7 @@ absl::Status CheckListenAddress(absl::string_view flag, absl::string_view addres
   return absl::InvalidArgumentError(absl::StrFormat(
       "--%s=%s %s; expected \"host:port\" with a port in 0..65535 (0 picks a free one), "
       "\"[ipv6]:port\" or \"unix:path\"",
-      flag, address, problem));
+      flag, Quoted(address), problem));
 }
 
 }  // namespace psflow

@@ -242,8 +242,11 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--port=0", "--optimizer=sgd", "--momentum=0.9", "--nesterov", "false"},
        "ps_server: unexpected argument 'false'"},
       // Used to listen on port 99999 % 65536, and on a nameless socket.
-      {{ps, "--address=127.0.0.1:99999"}, "--address=127.0.0.1:99999 has port \"99999\", outside"},
-      {{ps, "--address=unix:"}, "--address=unix: has an empty unix socket path"},
+      {{ps, "--address=127.0.0.1:99999"},
+       "--address=\"127.0.0.1:99999\" has port \"99999\", outside"},
+      {{ps, "--address=unix:"}, "--address=\"unix:\" has an empty unix socket path"},
+      // Control bytes come out escaped, not raw on the terminal.
+      {{ps, "--address=h\x1b[31m:1"}, "--address=\"h\\x1b[31m:1\" has '\\x1b' in its host name"},
       {{ps, "--port=0", "--threads=-5"}, "--threads=-5; expected 0 (no limit) or more"},
       // Used to abort in std::thread.
       {{ps, "--port=0", "--apply_threads=100000"}, "--apply_threads=100000; expected -1"},
@@ -257,7 +260,7 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {{ps, "--port=0", "--apply_window=2147483647"},
        "--apply_window is 2147483647; expected 1 to 64"},
       {{ps, "--address=unix-abstract:123"},
-       "--address=unix-abstract:123 is an abstract unix socket, which psflow does not take"},
+       "--address=\"unix-abstract:123\" is an abstract unix socket, which psflow does not take"},
       {{ps, "--port=0", "--max_variable_bytes=-2"},
        "max_variable_bytes (--max_variable_bytes) is -2; expected -1"},
       // Its sum with gRPC's framing allowance used to wrap around.

@@ -216,8 +216,15 @@ TEST(ClusterSpecTest, RejectsMalformedJson) {
   EXPECT_THAT(TfConfigError(" []"), HasSubstr("TF_CONFIG must be a JSON object, got a list"));
   EXPECT_THAT(TfConfigError(R"("ps")"), HasSubstr("must be a JSON object, got a string"));
   EXPECT_THAT(TfConfigError("not json"),
-              HasSubstr("TF_CONFIG must be a JSON object, got 'not json'; expected an object "
+              HasSubstr("TF_CONFIG must be a JSON object, got \"not json\"; expected an object "
                         "like {\"cluster\""));
+  // Control bytes, from the input or in the parser's message, come out
+  // escaped, not raw on the terminal.
+  EXPECT_THAT(TfConfigError("x\n\x1b[31mred"), HasSubstr("got \"x\\n\\x1b[31mred\""));
+  const std::string parser_error =
+      TfConfigError("{\"k\\u001b[31m\":1,\"k\\u001b[31m\":2,\"cluster\":{\"ps\":[\"p:1\"]}}");
+  EXPECT_THAT(parser_error, HasSubstr("TF_CONFIG is not valid JSON: "));
+  EXPECT_THAT(parser_error, ::testing::Not(HasSubstr("\x1b")));
 }
 
 TEST(ClusterSpecTest, RejectsWrongJsonTypesNamingTheKey) {
