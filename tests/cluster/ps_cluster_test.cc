@@ -652,6 +652,7 @@ class RawPushTest : public PsClusterTest {
                        PushResponse* response = nullptr, bool cancel_after = false) {
     grpc::ClientContext context;
     PushResponse local;
+    const std::vector<float> before = cancel_after ? Values() : std::vector<float>();
     auto writer = stub_->Push(&context, response ? response : &local);
     if (!msgs.empty()) {
       msgs[0].mutable_header()->set_request_id(request_id);
@@ -661,8 +662,9 @@ class RawPushTest : public PsClusterTest {
       if (!writer->Write(m)) break;
     }
     if (cancel_after) {
-      // Let the server apply what it got, then break the stream.
-      absl::SleepFor(absl::Milliseconds(200));
+      // Once the server has applied something of what it got (seen by a
+      // pull; at most 20 s), break the stream.
+      for (int i = 0; i < 2000 && Values() == before; ++i) absl::SleepFor(absl::Milliseconds(10));
       context.TryCancel();
       return writer->Finish();
     }
@@ -1001,11 +1003,13 @@ TEST_F(OneCallAtATimeTest, CallsWaitTheirTurnAndGiveUpAtTheirDeadline) {
   auto a = stub_->Push(&a_context, &a_response);
   ASSERT_TRUE(AwaitCalls(1, 0));
 
-  // B: a pull with a short deadline, which waits and gives up.
+  // B: a pull with a short deadline, which waits and gives up. (Short, but
+  // long enough that C has surely queued behind it before it leaves, on a
+  // loaded machine too.)
   grpc::Status b_status;
   std::thread b([&] {
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
     auto reader = stub_->Pull(&context, PullRequest());
     PullResponse response;
     while (reader->Read(&response)) {
@@ -1671,7 +1675,8 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
   first.address = "127.0.0.1:0";
   auto running = PsServer::Start(first);
   ASSERT_TRUE(running.ok()) << running.status();
-  const std::string not_a_socket = ::testing::TempDir() + "/ps_cluster_test_not_a_socket";
+  const std::string not_a_socket =
+      ::testing::TempDir() + "/ps_cluster_test_" + std::to_string(getpid()) + "_not_a_socket";
   { std::ofstream(not_a_socket) << "data"; }
   struct Case {
     std::string address;
@@ -1706,7 +1711,8 @@ TEST(PsServerStartTest, ListenFailuresSayWhy) {
 // A unix socket whose listener hangs, its queue full, is in use: the shard
 // says so at once (its check used to wait in connect() for ever).
 TEST(PsServerStartTest, UnixSocketOfAHungListenerIsInUse) {
-  const std::string path = ::testing::TempDir() + "/ps_cluster_test_hung.sock";
+  const std::string path =
+      ::testing::TempDir() + "/ps_cluster_test_" + std::to_string(getpid()) + "_hung.sock";
   std::remove(path.c_str());
   sockaddr_un addr{};
   ASSERT_LT(path.size(), sizeof(addr.sun_path));

@@ -1,6 +1,7 @@
 #include "worker/data/dataset.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstdint>
@@ -24,14 +25,37 @@ using ::testing::HasSubstr;
 constexpr uint32_t kImagesMagic = 0x00000803;
 constexpr uint32_t kLabelsMagic = 0x00000801;
 
-// A fresh directory per test.
+// Removes the test directories once every test has passed (they are kept
+// for a look when one failed).
+class TestDirs : public ::testing::Environment {
+ public:
+  static TestDirs* Get() {
+    static TestDirs* const dirs =
+        static_cast<TestDirs*>(::testing::AddGlobalTestEnvironment(new TestDirs));
+    return dirs;
+  }
+  void Add(const fs::path& dir) { dirs_.push_back(dir); }
+  void TearDown() override {
+    if (!::testing::UnitTest::GetInstance()->Passed()) return;
+    std::error_code error;
+    for (const fs::path& dir : dirs_) fs::remove_all(dir, error);
+  }
+
+ private:
+  std::vector<fs::path> dirs_;
+};
+[[maybe_unused]] TestDirs* const register_test_dirs = TestDirs::Get();  // before main runs
+
+// A fresh directory per test, its name this process's own (a second run of
+// these tests at the same time used to remove the first one's files).
 std::string TestDir() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const fs::path dir =
-      fs::path(::testing::TempDir()) / absl::StrCat("psflow_data_", info->test_suite_name(), "_",
-                                                    info->name());
+      fs::path(::testing::TempDir()) /
+      absl::StrCat("psflow_data_", getpid(), "_", info->test_suite_name(), "_", info->name());
   fs::remove_all(dir);
   fs::create_directories(dir);
+  TestDirs::Get()->Add(dir);
   return dir.string();
 }
 

@@ -1,6 +1,7 @@
 #include "worker/model/model_def.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -149,7 +150,8 @@ TEST(ParseModelTest, DenseOnFlatInputNeedsNoFlatten) {
 }
 
 TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
-  const std::string path = ::testing::TempDir() + "/model_def_test_spec.txt";
+  const std::string path =
+      ::testing::TempDir() + "/model_def_test_" + std::to_string(getpid()) + "_spec.txt";
   {
     std::ofstream f(path);
     f << "# a small model\n"
@@ -210,7 +212,8 @@ TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
 // /dev/zero) grew memory without bound. A file too large for a spec is
 // refused unread.
 TEST(ParseModelTest, SpecFilesThatCannotBeSpecsAreRefused) {
-  const std::string fifo = ::testing::TempDir() + "/model_def_test_fifo";
+  const std::string fifo =
+      ::testing::TempDir() + "/model_def_test_" + std::to_string(getpid()) + "_fifo";
   std::remove(fifo.c_str());
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   for (const std::string& path : {fifo, std::string("/dev/zero")}) {
@@ -220,7 +223,8 @@ TEST(ParseModelTest, SpecFilesThatCannotBeSpecsAreRefused) {
   }
   std::remove(fifo.c_str());
 
-  const std::string big = ::testing::TempDir() + "/model_def_test_big_spec.txt";
+  const std::string big =
+      ::testing::TempDir() + "/model_def_test_" + std::to_string(getpid()) + "_big_spec.txt";
   {
     std::ofstream f(big);
     const std::string line = "dense:10,\n";
