@@ -540,9 +540,11 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
   } else if (d.task_index) {
     index = *d.task_index;
     if (index < 0 || index >= size) {
+      // The list's own origin, which may differ from the index's (TF_CONFIG's
+      // index into --ps_hosts).
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s is %d but cluster \"%s\" has %d address%s (expected 0..%d)", d.index_origin.Where(),
-          index, kJobNames[*job], size, size == 1 ? "" : "es", size - 1));
+          "%s is %d but %s has %d address%s (expected 0..%d)", d.index_origin.Where(), index,
+          d.job_origin[*job].Name(), size, size == 1 ? "" : "es", size - 1));
     }
   } else if (size > 1) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -252,9 +252,12 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     if (!cluster.ok()) return cluster.status();
     if (cluster->task_type != "ps") {
       // Also with --shard_index: it does not make a worker's host a shard.
+      // (With --shard_index the index is the flag's, not TF_CONFIG's.)
       return absl::InvalidArgumentError(absl::StrCat(
-          shard_flag ? absl::StrCat("--shard_index=", *shard_flag, " but ") : "",
-          "TF_CONFIG's task is \"", cluster->task_type, "\" ", cluster->task_index,
+          shard_flag ? absl::StrCat("--shard_index=", *shard_flag,
+                                    " but TF_CONFIG's task type is \"", cluster->task_type, "\"")
+                     : absl::StrCat("TF_CONFIG's task is \"", cluster->task_type, "\" ",
+                                    cluster->task_index),
           "; ps_server serves a \"ps\" task (set TF_CONFIG task.type to \"ps\")"));
     }
     shard_index = cluster->task_index;

@@ -279,7 +279,8 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       {ps, "--shard_index=0"},
       R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2"]},"task":{"type":"worker"}})");
   EXPECT_EQ(code, 1) << out;
-  EXPECT_THAT(out, ::testing::HasSubstr("--shard_index=0 but TF_CONFIG's task is \"worker\""));
+  EXPECT_THAT(out,
+              ::testing::HasSubstr("--shard_index=0 but TF_CONFIG's task type is \"worker\";"));
 
   const std::string worker = PSFLOW_WORKER_BIN;
   const std::string hosts[] = {"--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"};

@@ -267,10 +267,10 @@ TEST(ClusterSpecTest, RejectsUnknownJobAndTaskType) {
 TEST(ClusterSpecTest, RejectsIndexOutOfRange) {
   EXPECT_EQ(
       TfConfigError(R"({"cluster":{"worker":["w0:1","w1:1"]},"task":{"type":"worker","index":3}})"),
-      "TF_CONFIG: \"task.index\" is 3 but cluster \"worker\" has 2 addresses (expected 0..1)");
+      "TF_CONFIG: \"task.index\" is 3 but \"cluster.worker\" has 2 addresses (expected 0..1)");
   EXPECT_THAT(
       TfConfigError(R"({"cluster":{"worker":["w0:1"]},"task":{"type":"worker","index":-1}})"),
-      HasSubstr("\"task.index\" is -1 but cluster \"worker\" has 1 address (expected 0..0)"));
+      HasSubstr("\"task.index\" is -1 but \"cluster.worker\" has 1 address (expected 0..0)"));
 }
 
 TEST(ClusterSpecTest, RejectsMissingPieces) {
@@ -403,7 +403,14 @@ TEST(ResolveClusterTest, ErrorsNameTheFlag) {
   ClusterFlags index;
   index.task_index = 5;
   EXPECT_EQ(ErrorOf(ResolveCluster(json.c_str(), index)),
-            "--task_index is 5 but cluster \"worker\" has 2 addresses (expected 0..1)");
+            "--task_index is 5 but \"cluster.worker\" has 2 addresses (expected 0..1)");
+  // TF_CONFIG's index into a list from a flag: the message names the flag.
+  ClusterFlags hosts;
+  hosts.ps_hosts = "p0:1";
+  hosts.hosts_flags = {"ps_hosts"};
+  EXPECT_THAT(ErrorOf(ResolveCluster(
+                  R"({"cluster":{"ps":["a:1","b:1"]},"task":{"type":"ps","index":1}})", hosts)),
+              HasSubstr("TF_CONFIG: \"task.index\" is 1 but --ps_hosts has 1 address"));
   ClusterFlags type;
   type.task_type = "trainer";
   EXPECT_THAT(ErrorOf(ResolveCluster(json.c_str(), type)), HasSubstr("--task_type is \"trainer\""));
@@ -543,7 +550,7 @@ TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   EXPECT_THAT(no_index, ::testing::Not(HasSubstr("--task_index")));
   ps.task_index = 2;
   EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)),
-              HasSubstr("--shard_index is 2 but cluster \"ps\" has 2 addresses"));
+              HasSubstr("--shard_index is 2 but --ps_hosts has 2 addresses"));
   // A default task type is described, not blamed on a flag.
   ClusterFlags worker;
   worker.ps_hosts = "p0:1";
