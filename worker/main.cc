@@ -120,6 +120,17 @@ int main(int argc, char** argv) {
   // not end the training with SIGPIPE at the next progress line: the
   // writes fail instead.
   std::signal(SIGPIPE, SIG_IGN);
+  // A container's entry point runs as PID 1, to which the kernel delivers
+  // no signal the process has no handler for: SIGTERM (docker stop, a pod's
+  // deletion) was dropped, and the worker trained on until the SIGKILL that
+  // follows the grace period. There it ends as the signal would end it
+  // elsewhere (exit code 128 + the signal's number).
+  if (getpid() == 1) {
+    struct sigaction action {};
+    action.sa_handler = [](int sig) { _exit(128 + sig); };
+    sigaction(SIGTERM, &action, nullptr);
+    sigaction(SIGINT, &action, nullptr);
+  }
   // Debian's Abseil is built with Mutex deadlock detection on, which keeps a
   // lock graph on every acquisition of the hot path; our lock order is fixed.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);

@@ -14,7 +14,9 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/process_stats.h"
@@ -179,6 +181,38 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
   }
   ::kill(ps, SIGTERM);
   EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");
+}
+
+// As PID 1 (a container's entry point), the kernel drops every signal the
+// process has no handler for: the worker ignored SIGTERM (docker stop, a
+// pod's deletion) and trained on until SIGKILL. It ends on it there too.
+TEST_F(MultiProcessTest, WorkerAsPidOneStopsOnSigterm) {
+  const char* unshare = "/usr/bin/unshare";  // util-linux, essential in Debian
+  if (const auto [code, out] = RunToEnd({unshare, "--pid", "--fork", "/bin/true"}); code != 0) {
+    GTEST_SKIP() << "cannot make a PID namespace here (not root?): " << out;
+  }
+  const std::string log = dir_ + "/worker.log";
+  // The worker waits for a shard that is not there (nothing listens on
+  // port 1): it would wait 120 s. (--kill-child: a test that gives up on
+  // unshare kills the worker too.)
+  const pid_t outer = Start(
+      {unshare, "--pid", "--fork", "--kill-child", PSFLOW_WORKER_BIN, "--ps_hosts=127.0.0.1:1",
+       "--worker_hosts=localhost:1", "--wait_for_variables_s=120", "--threads=1"},
+      "", log);
+  ASSERT_GT(outer, 0);
+  ASSERT_TRUE(
+      psflow::test_support::WaitForText(log, "worker 0 of 1", outer, std::chrono::seconds(20)))
+      << ReadFile(log);
+  // The worker is unshare's one child (PID 1 in its namespace).
+  const std::string children =
+      ReadFile(absl::StrCat("/proc/", outer, "/task/", outer, "/children"));
+  pid_t worker = 0;
+  ASSERT_TRUE(absl::SimpleAtoi(absl::StripAsciiWhitespace(children), &worker)) << children;
+  ASSERT_EQ(::kill(worker, SIGTERM), 0);
+  // unshare passes the worker's end on: exit code 143 or killed by SIGTERM.
+  EXPECT_EQ(Reap(outer, std::chrono::seconds(20)), 128 + SIGTERM)
+      << "SIGTERM to the worker as PID 1 did not end it\n"
+      << ReadFile(log);
 }
 
 // --help lists the binary's own flags and exits 0 (Debian's Abseil exits
