@@ -256,6 +256,43 @@ TEST(LoadIdxTest, DataAfterTheDeclaredExamplesIsInvalidArgument) {
   }
 }
 
+// zlib's reads skip bytes after a gzip stream that do not begin another
+// one: a gzip'd file with junk or a plain file joined to it loaded as clean.
+// A file of several gzip members is a valid gzip file.
+TEST(LoadIdxTest, BytesAfterTheGzipStreamAreInvalidArgument) {
+  const std::string dir = TestDir();
+  const std::vector<uint8_t> plain = IdxImages(2, 2, 3, std::vector<uint8_t>(12, 7));
+  const std::string labels = dir + "/labels.gz";
+  WriteFile(labels, IdxLabels({1, 2}), true);
+  const std::string gz = dir + "/images.gz";
+  WriteFile(gz, plain, true);
+  const std::vector<uint8_t> compressed = ReadFile(gz);
+  const std::string junk_text = "GARBAGE_TRAILING_BYTES";
+  for (const std::vector<uint8_t>& after :
+       {std::vector<uint8_t>(junk_text.begin(), junk_text.end()), plain}) {
+    std::vector<uint8_t> bytes = compressed;
+    bytes.insert(bytes.end(), after.begin(), after.end());
+    WriteFile(gz, bytes, false);
+    absl::StatusOr<Dataset> data = LoadIdx(gz, labels, "x");
+    EXPECT_EQ(data.status().code(), absl::StatusCode::kInvalidArgument) << data.status();
+    EXPECT_THAT(data.status().message(),
+                AllOf(HasSubstr(gz), HasSubstr(absl::StrCat(after.size(),
+                                                            " bytes after its gzip "
+                                                            "stream"))));
+  }
+  // Two members, the header in one and the pixels in the other: loads.
+  const std::string head = dir + "/head.gz", tail = dir + "/tail.gz";
+  WriteFile(head, std::vector<uint8_t>(plain.begin(), plain.begin() + 16), true);
+  WriteFile(tail, std::vector<uint8_t>(plain.begin() + 16, plain.end()), true);
+  std::vector<uint8_t> two = ReadFile(head);
+  const std::vector<uint8_t> second = ReadFile(tail);
+  two.insert(two.end(), second.begin(), second.end());
+  WriteFile(gz, two, false);
+  absl::StatusOr<Dataset> data = LoadIdx(gz, labels, "x");
+  ASSERT_TRUE(data.ok()) << data.status();
+  EXPECT_EQ(data->num_examples, 2);
+}
+
 TEST(LoadIdxTest, TruncatedHeaderIsDataLoss) {
   const std::string dir = TestDir();
   WriteFile(dir + "/images", {0, 0, 8, 3, 0, 0}, false);
