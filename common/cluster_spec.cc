@@ -94,6 +94,7 @@ struct Draft {
   Origin type_origin;
   std::optional<int64_t> task_index;
   Origin index_origin;
+  bool tf_config_given = false;  // a TF_CONFIG was parsed into this draft
 };
 
 std::string KindOf(const Value& v) {
@@ -549,8 +550,10 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
   } else if (size > 1) {
     return absl::InvalidArgumentError(absl::StrFormat(
         "%s: cluster \"%s\" has %d addresses; expected an index in 0..%d",
-        flags_possible ? absl::StrCat("no task index: TF_CONFIG has no \"task.index\" and --",
-                                      flags->task_index_flag, " was not given")
+        flags_possible ? absl::StrCat("no task index: ",
+                                      d.tf_config_given ? "TF_CONFIG has no \"task.index\""
+                                                        : "TF_CONFIG is not set",
+                                      " and --", flags->task_index_flag, " was not given")
                        : "TF_CONFIG: missing \"task.index\"",
         kJobNames[*job], size, size - 1));
   }
@@ -582,7 +585,10 @@ absl::StatusOr<ClusterSpec> ClusterSpec::FromTfConfig(std::string_view std_json)
 
 absl::StatusOr<ClusterSpec> ResolveCluster(const char* tf_config, const ClusterFlags& flags) {
   Draft draft;
-  if (!TfConfigAbsent(tf_config)) PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
+  if (!TfConfigAbsent(tf_config)) {
+    PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
+    draft.tf_config_given = true;
+  }
   PSFLOW_RETURN_IF_ERROR(ApplyFlags(flags, &draft));
   return Finish(draft, &flags);
 }

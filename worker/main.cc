@@ -120,6 +120,27 @@ int main(int argc, char** argv) {
   // not end the training with SIGPIPE at the next progress line: the
   // writes fail instead.
   std::signal(SIGPIPE, SIG_IGN);
+  // The summary is written at the end of training: find out now whether it
+  // can be, not after the run, and before any other check can fail. Then
+  // the file is removed: the one the probe created, so that a run that
+  // fails leaves no empty summary behind, and one an earlier run left, so
+  // that it cannot pass for this run's. Only a regular file is removed (not
+  // /dev/null or a pipe).
+  if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
+    std::ofstream probe(path, std::ios::app);
+    if (!probe) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("--summary_json=", path, " cannot be written: ", std::strerror(errno))));
+    }
+    probe.close();
+    std::error_code error;
+    if (std::filesystem::is_regular_file(path, error)) {
+      std::filesystem::remove(path, error);
+      if (error) {  // a directory we may not change: empty it at least
+        std::ofstream(path, std::ios::trunc).close();
+      }
+    }
+  }
   // A container's entry point runs as PID 1, to which the kernel delivers
   // no signal the process has no handler for: SIGTERM (docker stop, a pod's
   // deletion) was dropped, and the worker trained on until the SIGKILL that
@@ -187,26 +208,6 @@ int main(int argc, char** argv) {
       chunk < 4 || chunk > kMaxChunkBytes) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--max_chunk_bytes=", chunk, "; expected 4 to ", kMaxChunkBytes, " (1 GiB)")));
-  }
-  // The summary is written at the end of training: find out now whether it
-  // can be, not after the run. Then the file is removed: the one the probe
-  // created, so that a run that fails leaves no empty summary behind, and one
-  // an earlier run left, so that it cannot pass for this run's. Only a
-  // regular file is removed (not /dev/null or a pipe).
-  if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
-    std::ofstream probe(path, std::ios::app);
-    if (!probe) {
-      return Fail(absl::InvalidArgumentError(absl::StrCat(
-          "--summary_json=", path, " cannot be written: ", std::strerror(errno))));
-    }
-    probe.close();
-    std::error_code error;
-    if (std::filesystem::is_regular_file(path, error)) {
-      std::filesystem::remove(path, error);
-      if (error) {  // a directory we may not change: empty it at least
-        std::ofstream(path, std::ios::trunc).close();
-      }
-    }
   }
   if (cluster->task_type != "worker" && cluster->task_type != "chief") {
     // What to do instead, for the task types a TensorFlow job has.

@@ -171,13 +171,19 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     // A summary an earlier run left is gone when this run fails, so that a
     // script reading it cannot take it for this run's.
     const std::string summary = dir_ + "/stale.json";
-    std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
-    const auto [code, out] = RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts,
-                                       "--dataset=no_such_dataset", "--summary_json=" + summary});
-    EXPECT_EQ(code, 1) << out;
-    EXPECT_THAT(out, ::testing::HasSubstr("no_such_dataset"));
-    struct stat st {};
-    EXPECT_NE(::stat(summary.c_str(), &st), 0) << "the earlier run's " << summary << " is left";
+    // (Also when a flag's value is refused, the first check after parsing.)
+    for (const auto& [bad, said] :
+         {std::pair<std::string, std::string>{"--dataset=no_such_dataset", "no_such_dataset"},
+          {"--epochs=0", "--epochs=0"}}) {
+      std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
+      const auto [code, out] =
+          RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, bad, "--summary_json=" + summary});
+      EXPECT_EQ(code, 1) << out;
+      EXPECT_THAT(out, ::testing::HasSubstr(said));
+      struct stat st {};
+      EXPECT_NE(::stat(summary.c_str(), &st), 0)
+          << "the earlier run's " << summary << " is left after " << bad;
+    }
   }
   ::kill(ps, SIGTERM);
   EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");

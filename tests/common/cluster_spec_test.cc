@@ -546,7 +546,7 @@ TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)), HasSubstr("TF_CONFIG: missing \"task.type\""));
   ps.default_task_type = "ps";
   const std::string no_index = ErrorOf(ResolveCluster(nullptr, ps));
-  EXPECT_THAT(no_index, HasSubstr("--shard_index was not given"));
+  EXPECT_THAT(no_index, HasSubstr("TF_CONFIG is not set and --shard_index was not given"));
   EXPECT_THAT(no_index, ::testing::Not(HasSubstr("--task_index")));
   ps.task_index = 2;
   EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, ps)),

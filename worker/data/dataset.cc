@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <limits>
 #include <system_error>
 #include <utility>
 
@@ -65,7 +67,9 @@ class GzReader {
   }
 
   GzReader(GzReader&& other) noexcept
-      : path_(std::move(other.path_)), file_(std::exchange(other.file_, nullptr)) {}
+      : path_(std::move(other.path_)),
+        file_(std::exchange(other.file_, nullptr)),
+        total_out_(other.total_out_) {}
   GzReader& operator=(GzReader&&) = delete;
   ~GzReader() {
     if (file_ != nullptr) gzclose(file_);
@@ -89,6 +93,7 @@ class GzReader {
       }
       out.resize(start + static_cast<size_t>(got));
       total += static_cast<size_t>(got);
+      total_out_ += static_cast<uint64_t>(got);
       if (static_cast<size_t>(got) < chunk) break;
     }
     return total;
@@ -140,13 +145,63 @@ class GzReader {
   absl::Status CheckCleanEnd() {
     int errnum = Z_OK;
     gzerror(file_, &errnum);
-    if (errnum == Z_OK) return absl::OkStatus();
+    if (errnum == Z_OK) return gzdirect(file_) ? absl::OkStatus() : CheckNothingAfterGzip();
     if (errnum == Z_BUF_ERROR) {
       return absl::DataLossError(absl::StrCat("file ", path_,
                                               " is truncated: the gzip stream ends early "
                                               "(expected its end and CRC trailer)"));
     }
     return ZlibError();
+  }
+
+  // zlib's reads skip bytes after a gzip stream that do not begin another
+  // one, so a gzip'd file with other bytes joined to it (a plain file, say)
+  // read as clean. A file that is one gzip member ends with the size of
+  // what it holds (mod 2^32), which is checked first; anything else (several
+  // members, or bytes after them) has its members walked.
+  absl::Status CheckNothingAfterGzip() {
+    std::ifstream raw(path_, std::ios::binary | std::ios::ate);
+    const std::streamoff size = raw.tellg();
+    if (!raw || size < 0) return absl::OkStatus();  // the reads went well: not our question
+    if (size >= 4) {
+      uint8_t tail[4];
+      raw.seekg(size - 4);
+      raw.read(reinterpret_cast<char*>(tail), 4);
+      const uint32_t isize = uint32_t{tail[0]} | (uint32_t{tail[1]} << 8) |
+                             (uint32_t{tail[2]} << 16) | (uint32_t{tail[3]} << 24);
+      if (raw && isize == static_cast<uint32_t>(total_out_)) return absl::OkStatus();
+    }
+    if (static_cast<uint64_t>(size) > std::numeric_limits<uInt>::max()) return absl::OkStatus();
+    std::vector<uint8_t> bytes(static_cast<size_t>(size));
+    raw.seekg(0);
+    raw.read(reinterpret_cast<char*>(bytes.data()), size);
+    if (!raw) return absl::OkStatus();
+    z_stream z{};
+    if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK) return absl::OkStatus();
+    z.next_in = bytes.data();
+    z.avail_in = static_cast<uInt>(bytes.size());
+    std::vector<uint8_t> sink(1 << 16);
+    absl::Status result = absl::OkStatus();
+    while (true) {
+      z.next_out = sink.data();
+      z.avail_out = static_cast<uInt>(sink.size());
+      const int rc = inflate(&z, Z_NO_FLUSH);
+      if (rc == Z_STREAM_END) {
+        if (z.avail_in == 0) break;
+        if (z.avail_in >= 2 && z.next_in[0] == 0x1f && z.next_in[1] == 0x8b) {
+          inflateReset(&z);  // another member, as gzip allows
+          continue;
+        }
+        result = absl::InvalidArgumentError(absl::StrCat(
+            "file ", path_, " has ", z.avail_in,
+            " bytes after its gzip stream; expected the file to end with it (another file "
+            "joined to it?)"));
+        break;
+      }
+      if (rc != Z_OK) break;  // zlib's reads said what they found; not ours to add
+    }
+    inflateEnd(&z);
+    return result;
   }
 
   // The error of a failed read: the system's (an I/O error) or zlib's (a
@@ -167,6 +222,7 @@ class GzReader {
 
   std::string path_;
   gzFile file_;
+  uint64_t total_out_ = 0;  // bytes read out of the file, decompressed
 };
 
 uint32_t BigEndian32(const uint8_t* p) {
