@@ -318,6 +318,11 @@ absl::Status DecodePushHeader(Cursor* c, PushHeaderFields* h) {
         if (absl::Status s = c->ReadVarint(&v, "gradient_checked"); !s.ok()) return s;
         h->gradient_checked = v != 0;  // as protobuf reads a bool
         return absl::OkStatus();
+      case 6:
+        if (tag.type != kFixed64) {
+          return WrongType("PushHeader", "shard_incarnation", tag, kFixed64);
+        }
+        return c->ReadFixed(8, &h->shard_incarnation, "PushHeader.shard_incarnation");
       default:
         return SkipField(c, tag, 1);
     }
@@ -406,6 +411,10 @@ void AppendPushHeader(std::string* out, const PushHeaderFields& h) {
   if (h.gradient_checked) {
     AppendVarint(&body, Tag(5, kVarint));
     AppendVarint(&body, 1);
+  }
+  if (h.shard_incarnation != 0) {
+    AppendVarint(&body, Tag(6, kFixed64));
+    for (int i = 0; i < 8; ++i) body.push_back(static_cast<char>(h.shard_incarnation >> (8 * i)));
   }
   AppendVarint(out, Tag(1, kLen));
   AppendVarint(out, body.size());
@@ -564,6 +573,11 @@ absl::Status PullRequestView::Parse(absl::string_view bytes) {
         if (absl::Status s = c.ReadLength(&v, "PullRequest.ranges"); !s.ok()) return s;
         ++num_ranges_;
         return Nested(&c, v, [&] { return DecodePullRange(&c, bytes_, nullptr); });
+      case 5:
+        if (tag.type != kFixed64) {
+          return WrongType("PullRequest", "shard_incarnation", tag, kFixed64);
+        }
+        return c.ReadFixed(8, &shard_incarnation_, "PullRequest.shard_incarnation");
       default:
         return SkipField(&c, tag, 0);
     }

@@ -66,6 +66,7 @@ struct PushHeaderFields {
   int64_t read_version = 0;
   uint64_t request_id = 0;
   bool gradient_checked = false;
+  uint64_t shard_incarnation = 0;
 };
 // PushRequest.header (field 1), appended.
 void AppendPushHeader(std::string* out, const PushHeaderFields& header);
@@ -132,6 +133,7 @@ class PullRequestView {
   absl::Status Parse(absl::string_view bytes);
   int32_t worker_id() const { return worker_id_; }
   int64_t max_chunk_bytes() const { return max_chunk_bytes_; }
+  uint64_t shard_incarnation() const { return shard_incarnation_; }
   size_t num_ranges() const { return num_ranges_; }
   size_t num_variables() const { return num_variables_; }
 
@@ -156,6 +158,7 @@ class PullRequestView {
   absl::string_view bytes_;
   int32_t worker_id_ = 0;
   int64_t max_chunk_bytes_ = 0;
+  uint64_t shard_incarnation_ = 0;
   size_t num_ranges_ = 0;
   size_t num_variables_ = 0;
 };

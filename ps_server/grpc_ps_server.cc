@@ -15,6 +15,7 @@
 #include <deque>
 #include <iterator>
 #include <memory>
+#include <random>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -24,6 +25,7 @@
 #include "absl/functional/any_invocable.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -503,7 +505,8 @@ class PsServer::Service final : public grpc::Service {
         gate_(max_calls),
         pool_(std::make_shared<BufferPool>()),
         appliers_(MakeAppliers(apply_threads)),
-        apply_window_(std::max(apply_window, 1)) {
+        apply_window_(std::max(apply_window, 1)),
+        incarnation_(DrawIncarnation()) {
     using grpc::internal::RpcMethod;
     using grpc::internal::RpcServiceMethod;
     AddMethod(new RpcServiceMethod(
@@ -592,6 +595,7 @@ class PsServer::Service final : public grpc::Service {
     response->set_num_shards(o.num_shards);
     response->set_optimizer(store_->optimizer().DebugString());
     response->set_plan_fingerprint(store_->plan_fingerprint());
+    response->set_incarnation(incarnation_);
     ListPartsPage(request, response);
     const StoreStats stats = store_->stats();
     response->set_pushes(stats.pushes);
@@ -903,6 +907,7 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = slots[0].message.msg.header;
+    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation, "Push"));
     auto session =
         store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     std::deque<ApplierPool::Ticket> applying;  // oldest first
@@ -960,6 +965,7 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("PushPull: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = m.msg.header;
+    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation, "PushPull"));
     auto session =
         store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     PreparedPush prepared;
@@ -1034,6 +1040,7 @@ class PsServer::Service final : public grpc::Service {
 
   absl::Status DoPull(grpc::ServerContext* context, const wire::PullRequestView& request,
                       grpc::ServerWriter<grpc::ByteBuffer>* writer) {
+    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(request.shard_incarnation(), "Pull"));
     // What to read: elements [begin, end) of each part, in order, taken one
     // span at a time from the request (or from `all`) while the messages
     // are cut, so that the memory a request costs is bounded by its size,
@@ -1190,6 +1197,27 @@ class PsServer::Service final : public grpc::Service {
 
   const std::unique_ptr<ApplierPool> appliers_;  // null: apply on the handler thread
   const int apply_window_;  // messages of one push applied at once
+
+  // A random non-zero number for this start of the shard (StatusResponse
+  // .incarnation): a client that learned another one is talking to a shard
+  // that restarted since, and lost what it held.
+  static uint64_t DrawIncarnation() {
+    std::random_device device;
+    uint64_t value = 0;
+    while (value == 0) value = (uint64_t{device()} << 32) ^ device();
+    return value;
+  }
+  // OK, or FAILED_PRECONDITION when a call names an incarnation other than
+  // this one (0: the client does not check).
+  absl::Status CheckIncarnation(uint64_t expected, const char* call) const {
+    if (expected == 0 || expected == incarnation_) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "%s: this shard started after the client learned of it (incarnation %016x, the client "
+        "knew %016x): it restarted and lost the variables it held; restart every ps shard, then "
+        "the workers (psflow keeps no checkpoints yet)",
+        call, incarnation_, expected));
+  }
+  const uint64_t incarnation_;
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };

@@ -270,6 +270,7 @@ class GrpcPsClient final : public PsClient {
         PullRequest& request = conn.pull_requests.emplace_back();
         request.set_worker_id(options_.worker_id);
         request.set_max_chunk_bytes(shard.chunk_bytes);
+        request.set_shard_incarnation(shard.incarnation);
         bytes = 0;
       }
       bytes += entry_bytes;
@@ -315,12 +316,20 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     std::vector<RegisterResponse> responses(plan_.num_shards());
     std::vector<StatusResponse> statuses(plan_.num_shards());
+    // Every shard's state first: what it holds, how large a message it
+    // takes, and which start of it this is.
+    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      return RetryCall(options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
+    }));
+    PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
+    LearnIncarnations(statuses);
     std::atomic<bool> retried{false};
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       int sent = 0;  // registrations sent to the shard
       return RetryCall(options_.retry, [&] {
-        // How large a message the shard takes, before sending it any.
-        PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &statuses[s]));
+        // How large a message the shard takes, before sending it any (again
+        // on a retry: the shard may have been replaced meanwhile).
+        if (sent > 0) PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &statuses[s]));
         FitMessagesToShard(s, statuses[s]);
         if (++sent > 1) retried = true;
         return RegisterOnce(s, initial_values, &responses[s]);
@@ -373,6 +382,7 @@ class GrpcPsClient final : public PsClient {
       }
       if (missing.ok()) {
         LearnShardPolicies(*statuses);
+        LearnIncarnations(*statuses);
         for (int s = 0; s < plan_.num_shards(); ++s) FitMessagesToShard(s, (*statuses)[s]);
         return absl::OkStatus();
       }
@@ -546,6 +556,10 @@ class GrpcPsClient final : public PsClient {
     // that is smaller (FitMessagesToShard).
     int64_t chunk_bytes = 0;
     bool told_chunk_limit = false;  // the shard reported its limit
+    // The shard's StatusResponse.incarnation as Register or WaitForVariables
+    // found it, sent back in every push and pull so that a shard that
+    // restarted since (and lost its variables) refuses them; 0: unknown.
+    uint64_t incarnation = 0;
     std::vector<std::vector<SegmentRef>> messages;
   };
 
@@ -557,7 +571,7 @@ class GrpcPsClient final : public PsClient {
   // one element (chunk_bytes is at least 4).
   std::vector<std::vector<SegmentRef>> PlanMessages(const std::vector<int>& parts,
                                                     int64_t chunk_bytes) const {
-    constexpr int64_t kPushHeaderRoom = 48;  // PushRequest.header at its longest
+    constexpr int64_t kPushHeaderRoom = 64;  // PushRequest.header at its longest (57 bytes)
     std::vector<std::vector<SegmentRef>> messages(1);
     int64_t used = kPushHeaderRoom;
     for (int p : parts) {
@@ -661,6 +675,44 @@ class GrpcPsClient final : public PsClient {
   // remembers a push's request id: a push is retried only within that,
   // whatever this client was told (a retry after the shard forgot the id
   // would be applied twice).
+  // Which start of each shard this client talks to (Shard::incarnation),
+  // also in the pull requests already built.
+  void LearnIncarnations(const std::vector<StatusResponse>& statuses) {
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      Shard& shard = shards_[s];
+      shard.incarnation = statuses[s].incarnation();
+      for (Connection& conn : shard.conns) {
+        for (PullRequest& request : conn.pull_requests) {
+          request.set_shard_incarnation(shard.incarnation);
+        }
+      }
+    }
+  }
+
+  // FAILED_PRECONDITION when some shard lacks parts of the model while
+  // another holds trained ones (a version above 0): the first restarted and
+  // lost its variables, and registering would put initial values next to
+  // trained ones, which training would then mix without a word. (A chief
+  // that stopped part-way through registering leaves versions at 0.)
+  absl::Status CheckNoShardLostTrainedModel(const std::vector<StatusResponse>& statuses) const {
+    int trained = -1;
+    for (int s = 0; s < plan_.num_shards() && trained < 0; ++s) {
+      if (statuses[s].parts_size() > 0 && statuses[s].parts(0).version() > 0) trained = s;
+    }
+    if (trained < 0) return absl::OkStatus();
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      const int64_t held = std::max<int64_t>(statuses[s].num_parts(), statuses[s].parts_size());
+      if (held >= static_cast<int64_t>(shards_[s].parts.size())) continue;
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "%s holds %d of its %d variables while %s holds trained ones (version %d): %s "
+          "restarted and lost its variables, and psflow keeps no checkpoints yet; restart every "
+          "ps shard, then the workers",
+          shards_[s].name, held, shards_[s].parts.size(), shards_[trained].name,
+          statuses[trained].parts(0).version(), shards_[s].name));
+    }
+    return absl::OkStatus();
+  }
+
   void LearnShardPolicies(const std::vector<StatusResponse>& statuses) {
     bool allow = true;
     int shortest = -1;
@@ -870,6 +922,7 @@ class GrpcPsClient final : public PsClient {
     header.set_read_version(call.info.read_version);
     header.set_request_id(call.request_id);
     header.set_gradient_checked(call.gradient_checked);
+    header.set_shard_incarnation(shard.incarnation);
     PushEncoder encoder(refs);
     encoder.SetHeader(header);
     grpc::ByteBuffer message;

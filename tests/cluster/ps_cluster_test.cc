@@ -1929,6 +1929,55 @@ class LoseReplies : public grpc::experimental::ServerInterceptorFactoryInterface
 // lost after the shard applied it is retried by the client with the same
 // request id, and applied once. Over one connection per shard and over
 // several, where each connection's call is retried.
+// A shard that restarts comes back empty (no checkpoints yet). Clients that
+// knew it before are refused by it, before anything is applied, and a chief
+// is refused registering the model anew next to trained parts: either used
+// to go on silently, training a model of trained and initial parts.
+TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};  // one on each shard
+  auto chief = Client(vars);
+  Tensors init = Make(vars, 1.0f), grads = Make(vars, 0.5f), out = Make(vars, 0.0f);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+  ASSERT_TRUE(chief->Push(grads.cptrs(), {1, 0}).ok());
+  ASSERT_EQ(chief->plan().parts().size(), 2u);
+
+  // Shard 1 restarts at the same address, empty.
+  const int port = servers_[1]->port();
+  servers_[1]->Shutdown();
+  servers_[1].reset();
+  PsServerOptions options;
+  options.address = absl::StrCat("127.0.0.1:", port);
+  options.store.shard_index = 1;
+  options.store.num_shards = 2;
+  auto restarted = PsServer::Start(options);
+  ASSERT_TRUE(restarted.ok()) << restarted.status();
+  servers_[1] = std::move(*restarted);
+
+  const absl::Status pushed = chief->Push(grads.cptrs(), {2, 0});
+  EXPECT_EQ(pushed.code(), absl::StatusCode::kFailedPrecondition) << pushed;
+  EXPECT_THAT(pushed.message(), HasSubstr("ps shard 1"));
+  EXPECT_THAT(pushed.message(), HasSubstr("restarted and lost the variables it held"));
+  const absl::Status pulled = chief->Pull(out.ptrs()).status();
+  EXPECT_EQ(pulled.code(), absl::StatusCode::kFailedPrecondition) << pulled;
+  EXPECT_THAT(pulled.message(), HasSubstr("restarted"));
+
+  // A chief started now would put initial values next to the trained ones.
+  auto new_chief = Client(vars);
+  const absl::Status registered = new_chief->Register(init.cptrs()).status();
+  EXPECT_EQ(registered.code(), absl::StatusCode::kFailedPrecondition) << registered;
+  // (Version 2: shard 0 took the second push, as a failed push may leave
+  // applied on the shards that took it; ps_client.h.)
+  EXPECT_THAT(std::string(registered.message()),
+              HasSubstr("holds 0 of its 1 variables while ps shard 0 (" + addresses_[0] +
+                        ") holds trained ones (version 2)"));
+  auto statuses = new_chief->GetStatus();
+  ASSERT_TRUE(statuses.ok()) << statuses.status();
+  EXPECT_EQ((*statuses)[1].num_parts(), 0) << "the refused calls registered or applied something";
+  ASSERT_EQ((*statuses)[0].parts_size(), 1);
+  EXPECT_EQ((*statuses)[0].parts(0).version(), 2);
+}
+
 TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
   for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/PushPull"}) {
     for (int streams : {1, 3}) {

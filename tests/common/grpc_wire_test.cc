@@ -48,7 +48,8 @@ std::vector<absl::string_view> Split(const std::string& bytes, size_t size) {
 TEST(GrpcWireTest, EncodedPushRequestParsesWithProtobuf) {
   const std::string d1 = Floats(300, 1.5f), d2 = Floats(3, -7.0f);
   std::string bytes;
-  AppendPushHeader(&bytes, {-3, 42, 7, 0xfedcba9876543210ull, /*gradient_checked=*/true});
+  AppendPushHeader(&bytes, {-3, 42, 7, 0xfedcba9876543210ull, /*gradient_checked=*/true,
+                            /*shard_incarnation=*/0x0123456789abcdefull});
   AppendSegmentPrefix(&bytes, 2, "dense/kernel", 1000, d1.size());
   bytes += d1;
   AppendSegmentPrefix(&bytes, 2, "b", 0, d2.size());
@@ -60,6 +61,7 @@ TEST(GrpcWireTest, EncodedPushRequestParsesWithProtobuf) {
   EXPECT_EQ(parsed.header().read_version(), 7);
   EXPECT_EQ(parsed.header().request_id(), 0xfedcba9876543210ull);
   EXPECT_TRUE(parsed.header().gradient_checked());
+  EXPECT_EQ(parsed.header().shard_incarnation(), 0x0123456789abcdefull);
   ASSERT_EQ(parsed.segments_size(), 2);
   EXPECT_EQ(parsed.segments(0).variable(), "dense/kernel");
   EXPECT_EQ(parsed.segments(0).offset(), 1000);
@@ -95,6 +97,7 @@ TEST(GrpcWireTest, DecodesProtobufPushSplitIntoTinyPieces) {
   msg.mutable_header()->set_step(-1);
   msg.mutable_header()->set_request_id(99);
   msg.mutable_header()->set_gradient_checked(true);
+  msg.mutable_header()->set_shard_incarnation(0xfeedfacecafebeefull);
   for (int i = 0; i < 3; ++i) {
     Segment* s = msg.add_segments();
     s->set_variable("var" + std::to_string(i));
@@ -110,6 +113,7 @@ TEST(GrpcWireTest, DecodesProtobufPushSplitIntoTinyPieces) {
     EXPECT_EQ(out.header.step, -1);
     EXPECT_EQ(out.header.request_id, 99u);
     EXPECT_TRUE(out.header.gradient_checked);
+    EXPECT_EQ(out.header.shard_incarnation, 0xfeedfacecafebeefull);
     ASSERT_EQ(out.num_segments, 3u);
     for (int i = 0; i < 3; ++i) {
       EXPECT_EQ(out.segments[i].variable, msg.segments(i).variable());
@@ -283,6 +287,7 @@ std::string RandomMessage(MessageKind kind, std::mt19937_64& rng) {
       m.mutable_header()->set_read_version(random_i64());
       m.mutable_header()->set_request_id(rng());
       m.mutable_header()->set_gradient_checked(pick(2) == 0);
+      if (pick(2)) m.mutable_header()->set_shard_incarnation(rng());
     }
     for (uint64_t i = pick(4); i > 0; --i) fill(m.add_segments());
     return m.SerializeAsString();
@@ -400,6 +405,7 @@ std::string RandomPullRequest(std::mt19937_64& rng) {
   PullRequest m;
   if (pick(2)) m.set_worker_id(static_cast<int32_t>(rng()));
   if (pick(2)) m.set_max_chunk_bytes(pick(2) ? static_cast<int64_t>(pick(1 << 20)) : rng());
+  if (pick(2)) m.set_shard_incarnation(rng());
   for (uint64_t i = pick(4); i > 0; --i) m.add_variables(name());
   for (uint64_t i = pick(4); i > 0; --i) {
     PullRange* r = m.add_ranges();
@@ -439,7 +445,10 @@ TEST(GrpcWireTest, MutatedPullRequestsReadAsProtobufParsesThem) {
 // padded past 5 bytes, groups nested 100 deep (99 inside a message).
 TEST(GrpcWireTest, DecodersRefuseWhatProtobufRefusesAtItsLimits) {
   google::protobuf::LogHandler* old_handler = google::protobuf::SetLogHandler(nullptr);
+  // Groups of field 5, or (top level of a pull request, where 5 is known)
+  // field 6.
   auto groups = [](int n) { return std::string(n, '\x2b') + std::string(n, '\x2c'); };
+  auto groups6 = [](int n) { return std::string(n, '\x33') + std::string(n, '\x34'); };
   auto in_range = [](const std::string& body) {
     std::string out = "\x22";
     AppendVarint(&out, body.size());
@@ -466,11 +475,11 @@ TEST(GrpcWireTest, DecodersRefuseWhatProtobufRefusesAtItsLimits) {
                 "a"),
        false},
       {"a UTF-8 name of two bytes", in_range("\x0a\x02\xc3\xa9"), true},
-      {"a length padded to 6 bytes", std::string("\x2a\x80\x80\x80\x80\x80\x00", 7), false},
-      {"a length padded to 5 bytes", std::string("\x2a\x80\x80\x80\x80\x00", 6), true},
-      {"a length of 2^28", std::string("\x2a\x80\x80\x80\x80\x01", 6), false},
-      {"100 nested groups", groups(100), true},
-      {"101 nested groups", groups(101), false},
+      {"a length padded to 6 bytes", std::string("\x32\x80\x80\x80\x80\x80\x00", 7), false},
+      {"a length padded to 5 bytes", std::string("\x32\x80\x80\x80\x80\x00", 6), true},
+      {"a length of 2^28", std::string("\x32\x80\x80\x80\x80\x01", 6), false},
+      {"100 nested groups", groups6(100), true},
+      {"101 nested groups", groups6(101), false},
       {"99 nested groups in a range", in_range(groups(99)), true},
       {"100 nested groups in a range", in_range(groups(100)), false},
   };

@@ -110,7 +110,8 @@ inline std::string CompareWithProtobuf(MessageKind kind, const std::string& byte
         ours.header.step != hr.GetInt64(h, Field(h, "step")) ||
         ours.header.read_version != hr.GetInt64(h, Field(h, "read_version")) ||
         ours.header.request_id != hr.GetUInt64(h, Field(h, "request_id")) ||
-        ours.header.gradient_checked != hr.GetBool(h, Field(h, "gradient_checked"))) {
+        ours.header.gradient_checked != hr.GetBool(h, Field(h, "gradient_checked")) ||
+        ours.header.shard_incarnation != hr.GetUInt64(h, Field(h, "shard_incarnation"))) {
       return "the header differs";
     }
   } else {
@@ -144,8 +145,9 @@ inline std::string ComparePullRequestWithProtobuf(const std::string& bytes) {
   if (!protobuf_ok) return "the reader accepts what protobuf refuses";
   const google::protobuf::Reflection& r = *theirs->GetReflection();
   if (ours.worker_id() != r.GetInt32(*theirs, Field(*theirs, "worker_id")) ||
-      ours.max_chunk_bytes() != r.GetInt64(*theirs, Field(*theirs, "max_chunk_bytes"))) {
-    return "worker_id or max_chunk_bytes differs";
+      ours.max_chunk_bytes() != r.GetInt64(*theirs, Field(*theirs, "max_chunk_bytes")) ||
+      ours.shard_incarnation() != r.GetUInt64(*theirs, Field(*theirs, "shard_incarnation"))) {
+    return "worker_id, max_chunk_bytes or shard_incarnation differs";
   }
   const google::protobuf::FieldDescriptor* ranges = Field(*theirs, "ranges");
   const google::protobuf::FieldDescriptor* variables = Field(*theirs, "variables");
