@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/fingerprint.h"
 #include "common/status_macros.h"
 
 namespace psflow {
@@ -16,34 +17,6 @@ namespace {
 
 // A larger count is surely a typo, and would make the per-shard tables huge.
 constexpr int kMaxShards = 1 << 16;
-
-// 64-bit FNV-1a. Integers are fed as 8 little-endian bytes and strings with
-// their length first, so the hash depends only on values, never on the
-// platform, the build or std::hash.
-class Fnv1a64 {
- public:
-  void AddBytes(const void* data, size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (size_t i = 0; i < n; ++i) {
-      h_ ^= p[i];
-      h_ *= 0x100000001b3ULL;
-    }
-  }
-  void AddInt(int64_t v) {
-    unsigned char b[8];
-    const auto u = static_cast<uint64_t>(v);
-    for (int i = 0; i < 8; ++i) b[i] = static_cast<unsigned char>(u >> (8 * i));
-    AddBytes(b, sizeof(b));
-  }
-  void AddString(std::string_view s) {
-    AddInt(static_cast<int64_t>(s.size()));
-    AddBytes(s.data(), s.size());
-  }
-  uint64_t value() const { return h_; }
-
- private:
-  uint64_t h_ = 0xcbf29ce484222325ULL;
-};
 
 std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ","), "]");

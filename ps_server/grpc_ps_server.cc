@@ -596,6 +596,7 @@ class PsServer::Service final : public grpc::Service {
     response->set_optimizer(store_->optimizer().DebugString());
     response->set_plan_fingerprint(store_->plan_fingerprint());
     response->set_incarnation(incarnation_);
+    response->set_model_fingerprint(model_fingerprint_.load());
     ListPartsPage(request, response);
     const StoreStats stats = store_->stats();
     response->set_pushes(stats.pushes);
@@ -725,6 +726,16 @@ class PsServer::Service final : public grpc::Service {
       for (const PartDef& def : more.parts()) parts.push_back(FromProto(def));
       msg.clear_header();
     }
+    // The same network on the same data: the plan's fingerprint covers the
+    // variables' names and shapes, not the activations or the data set.
+    if (const uint64_t have = model_fingerprint_.load();
+        h.model_fingerprint() != 0 && have != 0 && h.model_fingerprint() != have) {
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "RegisterVariables: this shard holds a model of fingerprint %016x, and the "
+          "registration's is %016x: the layers' settings (activations, padding, strides) or "
+          "the data set differ; every process must use the same --model and --dataset",
+          have, h.model_fingerprint()));
+    }
     PSFLOW_ASSIGN_OR_RETURN(auto registration,
                             store_->BeginRegistration(h.plan_fingerprint(), h.num_shards(),
                                                       h.shard_index(), std::move(parts)));
@@ -748,6 +759,7 @@ class PsServer::Service final : public grpc::Service {
       return absl::CancelledError("RegisterVariables: the client went away; nothing registered");
     }
     PSFLOW_ASSIGN_OR_RETURN(RegisterResult result, registration->Commit());
+    if (result.parts_created > 0) model_fingerprint_ = h.model_fingerprint();
     response->set_parts_created(result.parts_created);
     response->set_parts_kept(result.parts_kept);
     return absl::OkStatus();
@@ -1218,6 +1230,9 @@ class PsServer::Service final : public grpc::Service {
         call, incarnation_, expected));
   }
   const uint64_t incarnation_;
+  // RegisterHeader.model_fingerprint of the latest registration that
+  // created parts.
+  std::atomic<uint64_t> model_fingerprint_{0};
   std::atomic<int64_t> bytes_received_{0};
   std::atomic<int64_t> bytes_sent_{0};
 };

@@ -369,6 +369,14 @@ class GrpcPsClient final : public PsClient {
                 "is %016x): every process must use the same model and number of ps shards",
                 shards_[s].name, r.plan_fingerprint(), plan_.fingerprint()));
           }
+          if (r.model_fingerprint() != 0 && options_.model_fingerprint != 0 &&
+              r.model_fingerprint() != options_.model_fingerprint) {
+            return absl::FailedPreconditionError(absl::StrFormat(
+                "%s holds a model of fingerprint %016x, this worker's is %016x: the layers' "
+                "settings (activations, padding, strides) or the data set differ; every "
+                "process must use the same --model and --dataset",
+                shards_[s].name, r.model_fingerprint(), options_.model_fingerprint));
+          }
           // A shard that pages its parts counts them all in num_parts; an
           // older one lists them all.
           const int64_t held = std::max<int64_t>(r.num_parts(), r.parts_size());
@@ -850,6 +858,7 @@ class GrpcPsClient final : public PsClient {
     RegisterRequest msg;
     RegisterHeader* header = msg.mutable_header();
     header->set_plan_fingerprint(plan_.fingerprint());
+    header->set_model_fingerprint(options_.model_fingerprint);
     header->set_num_shards(plan_.num_shards());
     header->set_shard_index(s);
     for (int p : shard.parts) {

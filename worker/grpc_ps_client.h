@@ -25,6 +25,11 @@ struct GrpcPsClientOptions {
   std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
   int worker_id = 0;
   int64_t min_split_bytes = 256 * 1024;   // partition plan threshold; same on every process
+  // What the model computes (worker/model ModelFingerprint): sent in the
+  // registration and compared with the shards' in WaitForVariables, so that
+  // a worker whose layers or data differ only where the variables' shapes
+  // do not show it is refused. 0: not checked.
+  uint64_t model_fingerprint = 0;
   // Bytes per stream message at most, tensor data and framing (a message
   // carries one element at least). A shard whose own limit is smaller
   // (its --max_chunk_bytes, in GetStatus) gets messages of that size once

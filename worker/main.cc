@@ -296,6 +296,7 @@ int main(int argc, char** argv) {
   GrpcPsClientOptions client_options;
   client_options.ps_addresses = cluster->ps;
   client_options.worker_id = replica;
+  client_options.model_fingerprint = ModelFingerprint(*model, absl::GetFlag(FLAGS_dataset));
   client_options.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   client_options.streams_per_shard = absl::GetFlag(FLAGS_ps_streams);
   if (client_options.streams_per_shard == 0) {

@@ -1978,6 +1978,39 @@ TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
   EXPECT_EQ((*statuses)[0].parts(0).version(), 2);
 }
 
+// Variables of the same names and shapes do not make the same model (a
+// worker without the ReLUs, or on another data set): the model's
+// fingerprint tells them apart, at registration and when a worker waits.
+TEST_F(PsClusterTest, WorkerOfAnotherModelWithTheSameVariablesIsRefused) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};
+  auto client_for = [&](uint64_t model_fingerprint) {
+    GrpcPsClientOptions options;
+    options.ps_addresses = addresses_;
+    options.model_fingerprint = model_fingerprint;
+    auto client = CreateGrpcPsClient(vars, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return std::move(*client);
+  };
+  Tensors init = Make(vars, 1.0f);
+  ASSERT_TRUE(client_for(0x1111)->Register(init.cptrs()).ok());
+  // The same model: kept, and waits fine.
+  auto same = client_for(0x1111);
+  EXPECT_TRUE(same->WaitForVariables(absl::Seconds(5)).ok());
+  EXPECT_EQ(same->Register(init.cptrs())->parts_kept, 2);
+  // Another: refused both ways, naming both fingerprints.
+  auto other = client_for(0x2222);
+  const absl::Status waited = other->WaitForVariables(absl::Seconds(5));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kFailedPrecondition) << waited;
+  EXPECT_THAT(waited.message(), HasSubstr("holds a model of fingerprint 0000000000001111, this "
+                                          "worker's is 0000000000002222"));
+  const absl::Status registered = other->Register(init.cptrs()).status();
+  EXPECT_EQ(registered.code(), absl::StatusCode::kFailedPrecondition) << registered;
+  EXPECT_THAT(registered.message(), HasSubstr("--model and --dataset"));
+  // A client that does not say (0) is not checked.
+  EXPECT_TRUE(client_for(0)->WaitForVariables(absl::Seconds(5)).ok());
+}
+
 TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
   for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/PushPull"}) {
     for (int streams : {1, 3}) {

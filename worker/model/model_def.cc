@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/fingerprint.h"
 
 namespace psflow::worker {
 namespace {
@@ -365,6 +366,21 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
   model.num_classes = last.units;
   model.spec = absl::StrJoin(texts, ",");
   return model;
+}
+
+uint64_t ModelFingerprint(const ModelDef& model, std::string_view dataset) {
+  Fnv1a64 h;
+  h.AddString("psflow model 1");  // the version of this encoding
+  h.AddString(dataset);
+  for (int v : {model.input.h, model.input.w, model.input.c, model.num_classes}) h.AddInt(v);
+  h.AddInt(static_cast<int64_t>(model.layers.size()));
+  for (const LayerDef& l : model.layers) {
+    for (int64_t v : {static_cast<int64_t>(l.kind), int64_t{l.units}, int64_t{l.kernel},
+                      int64_t{l.stride}, int64_t{l.same_padding}, int64_t{l.relu}}) {
+      h.AddInt(v);
+    }
+  }
+  return h.value();
 }
 
 int64_t ActivationsPerExample(const ModelDef& model) {

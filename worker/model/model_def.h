@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -62,6 +63,13 @@ inline constexpr char kTwoConvModelSpec[] =
 // Errors name the offending token and what was expected. The last layer must
 // be a Dense layer without relu; its units are num_classes.
 absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input);
+
+// A fingerprint of what the model computes, for the processes of one job
+// to check that they train the same network on the same data: the input
+// shape, every layer's kind and settings (units, kernel, stride, padding,
+// activation) and the data set's name. Two specs that spell the same
+// layers differently (a built-in's name, a file) give the same one.
+uint64_t ModelFingerprint(const ModelDef& model, std::string_view dataset);
 
 // Values one example's forward pass produces: its input and every layer's
 // output but a flatten's (its input's, reshaped). A backend holds at least

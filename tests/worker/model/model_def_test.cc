@@ -149,6 +149,30 @@ TEST(ParseModelTest, DenseOnFlatInputNeedsNoFlatten) {
   EXPECT_EQ(m->num_classes, 3);
 }
 
+// The model's fingerprint follows what the network computes, not how its
+// spec is spelled: a worker without the ReLUs has the same variables (the
+// plan's fingerprint cannot tell) but another fingerprint.
+TEST(ModelFingerprintTest, FollowsLayersAndDataNotSpelling) {
+  auto fingerprint = [](const std::string& spec, const char* dataset = "fashion_mnist") {
+    auto model = ParseModel(spec, kMnist);
+    EXPECT_TRUE(model.ok()) << spec << ": " << model.status();
+    return model.ok() ? ModelFingerprint(*model, dataset) : 0;
+  };
+  const uint64_t seed = fingerprint("seed");
+  EXPECT_NE(seed, 0u);
+  EXPECT_EQ(fingerprint(kSeedModelSpec), seed);
+  EXPECT_EQ(fingerprint(" conv2d : 32 : 3 : relu , flatten,dense:128:relu,dense:10"), seed);
+  EXPECT_NE(fingerprint("conv2d:32:3,flatten,dense:128,dense:10"), seed);  // no ReLUs
+  EXPECT_NE(fingerprint("conv2d:32:3:relu:same,flatten,dense:128:relu,dense:10"), seed);
+  EXPECT_NE(fingerprint("seed", "mnist"), seed);
+  // The value is fixed by the encoding, as it travels between processes and
+  // builds: FNV-1a 64 of "psflow model 1", the data set's name, the input
+  // shape and classes, the layer count, and each layer's kind, units,
+  // kernel, stride, same padding and ReLU, as 8-byte little-endian
+  // integers (strings after their length); computed apart, in Python.
+  EXPECT_EQ(seed, 0x622aa8d6c4799615u);
+}
+
 TEST(ParseModelTest, SpecFileWithCommentsAndNewlines) {
   const std::string path =
       ::testing::TempDir() + "/model_def_test_" + std::to_string(getpid()) + "_spec.txt";
