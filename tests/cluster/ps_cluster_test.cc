@@ -1789,10 +1789,20 @@ TEST(PsServerStartTest, SecondShutdownWaitsForTheFirst) {
   auto stub = ParameterServer::NewStub(
       grpc::CreateChannel((*server)->client_address(), grpc::InsecureChannelCredentials()));
   // A push stream left open: the shard's handler waits for its first
-  // message (the stream's opening reaches it before Push returns).
+  // message. (Wait until the shard serves it: one that had not reached the
+  // handler yet when the shutdown began would just be refused.)
   grpc::ClientContext context;
   PushResponse response;
   auto writer = stub->Push(&context, &response);
+  bool serving = false;
+  for (int i = 0; i < 2000 && !serving; ++i) {
+    grpc::ClientContext status_context;
+    StatusResponse status;
+    serving = stub->GetStatus(&status_context, StatusRequest(), &status).ok() &&
+              status.calls_serving() == 1;
+    if (!serving) absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(serving) << "the push never reached the shard's handler";
   std::thread first([&] { (*server)->Shutdown(absl::Seconds(60)); });
   // (The pauses only give the old behaviour time to show; the order of
   // the two Shutdown calls does not matter to the check.)
