@@ -726,19 +726,31 @@ class PsServer::Service final : public grpc::Service {
       for (const PartDef& def : more.parts()) parts.push_back(FromProto(def));
       msg.clear_header();
     }
-    // The same network on the same data: the plan's fingerprint covers the
+    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation(), "RegisterVariables"));
+    PSFLOW_ASSIGN_OR_RETURN(auto registration,
+                            store_->BeginRegistration(h.plan_fingerprint(), h.num_shards(),
+                                                      h.shard_index(), std::move(parts)));
+    // The same network on the same data: the plan's fingerprint (checked by
+    // BeginRegistration, whose message names the variable) covers the
     // variables' names and shapes, not the activations or the data set.
     if (const uint64_t have = model_fingerprint_.load();
         h.model_fingerprint() != 0 && have != 0 && h.model_fingerprint() != have) {
+      // Where the plans differ too (other parts on this shard, none of the
+      // same name), that is what to say, as a waiting worker hears it.
+      if (const uint64_t plan = store_->plan_fingerprint();
+          plan != 0 && plan != h.plan_fingerprint()) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "RegisterVariables: this shard holds variables of another partition plan "
+            "(fingerprint %016x, the registration's is %016x): every process must use the same "
+            "model and number of ps shards",
+            plan, h.plan_fingerprint()));
+      }
       return absl::FailedPreconditionError(absl::StrFormat(
           "RegisterVariables: this shard holds a model of fingerprint %016x, and the "
           "registration's is %016x: the layers' settings (activations, padding, strides) or "
           "the data set differ; every process must use the same --model and --dataset",
           have, h.model_fingerprint()));
     }
-    PSFLOW_ASSIGN_OR_RETURN(auto registration,
-                            store_->BeginRegistration(h.plan_fingerprint(), h.num_shards(),
-                                                      h.shard_index(), std::move(parts)));
     while (got) {
       if (msg.has_header()) {
         return absl::InvalidArgumentError(absl::StrCat(

@@ -316,25 +316,45 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(CheckTensors(initial_values, "Register", "initial values"));
     std::vector<RegisterResponse> responses(plan_.num_shards());
     std::vector<StatusResponse> statuses(plan_.num_shards());
-    // Every shard's state first: what it holds, how large a message it
-    // takes, and which start of it this is.
-    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
-    }));
-    PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
-    LearnIncarnations(statuses);
     std::atomic<bool> retried{false};
-    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      int sent = 0;  // registrations sent to the shard
-      return RetryCall(options_.retry, [&] {
-        // How large a message the shard takes, before sending it any (again
-        // on a retry: the shard may have been replaced meanwhile).
-        if (sent > 0) PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &statuses[s]));
-        FitMessagesToShard(s, statuses[s]);
-        if (++sent > 1) retried = true;
-        return RegisterOnce(s, initial_values, &responses[s]);
+    // A shard that restarts while the model is registered (found by a retry
+    // here, or refused by the shard, whose incarnation the registration
+    // names) makes the whole registration start again, from every shard's
+    // state: the check below must see it. A few times at most.
+    for (int round = 1;; ++round) {
+      // Every shard's state first: what it holds, how large a message it
+      // takes, and which start of it this is.
+      PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+        return RetryCall(options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
+      }));
+      PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
+      LearnIncarnations(statuses);
+      const absl::Status registered = ForEachShard(plan_.num_shards(), [&](int s) {
+        int sent = 0;  // registrations sent to the shard
+        return RetryCall(options_.retry, [&] {
+          // How large a message the shard takes, before sending it any
+          // (again on a retry), and whether it is still the one checked.
+          if (sent > 0) {
+            PSFLOW_RETURN_IF_ERROR(StatusOnce(s, &statuses[s]));
+            if (statuses[s].incarnation() != shards_[s].incarnation) {
+              return absl::AbortedError(
+                  absl::StrCat(shards_[s].name, " restarted while the model was registered"));
+            }
+          }
+          FitMessagesToShard(s, statuses[s]);
+          if (++sent > 1) retried = true;
+          return RegisterOnce(s, initial_values, &responses[s]);
+        });
       });
-    }));
+      if (registered.ok()) break;
+      // Did a shard restart meanwhile? Then look at every shard again.
+      auto now = GetStatusOnce(absl::Now() + options_.rpc_timeout);
+      bool restarted = false;
+      for (int s = 0; now.ok() && s < plan_.num_shards(); ++s) {
+        restarted |= (*now)[s].incarnation() != shards_[s].incarnation;
+      }
+      if (!restarted || round == 3) return registered;
+    }
     // What the shards accept, from the same answers: a registered model
     // always leaves the client knowing how long its pushes may be retried.
     // (A status call of its own after the registration could fail, and the
@@ -703,6 +723,14 @@ class GrpcPsClient final : public PsClient {
   // trained ones, which training would then mix without a word. (A chief
   // that stopped part-way through registering leaves versions at 0.)
   absl::Status CheckNoShardLostTrainedModel(const std::vector<StatusResponse>& statuses) const {
+    // A shard of another plan (another model, another number of shards) is
+    // the registration's to name, variable by variable: its part counts say
+    // nothing of a restart.
+    for (const StatusResponse& status : statuses) {
+      if (status.plan_fingerprint() != 0 && status.plan_fingerprint() != plan_.fingerprint()) {
+        return absl::OkStatus();
+      }
+    }
     int trained = -1;
     for (int s = 0; s < plan_.num_shards() && trained < 0; ++s) {
       if (statuses[s].parts_size() > 0 && statuses[s].parts(0).version() > 0) trained = s;
@@ -710,7 +738,7 @@ class GrpcPsClient final : public PsClient {
     if (trained < 0) return absl::OkStatus();
     for (int s = 0; s < plan_.num_shards(); ++s) {
       const int64_t held = std::max<int64_t>(statuses[s].num_parts(), statuses[s].parts_size());
-      if (held >= static_cast<int64_t>(shards_[s].parts.size())) continue;
+      if (s == trained || held >= static_cast<int64_t>(shards_[s].parts.size())) continue;
       return absl::FailedPreconditionError(absl::StrFormat(
           "%s holds %d of its %d variables while %s holds trained ones (version %d): %s "
           "restarted and lost its variables, and psflow keeps no checkpoints yet; restart every "
@@ -859,6 +887,7 @@ class GrpcPsClient final : public PsClient {
     RegisterHeader* header = msg.mutable_header();
     header->set_plan_fingerprint(plan_.fingerprint());
     header->set_model_fingerprint(options_.model_fingerprint);
+    header->set_shard_incarnation(shard.incarnation);
     header->set_num_shards(plan_.num_shards());
     header->set_shard_index(s);
     for (int p : shard.parts) {

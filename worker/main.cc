@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   // the file is removed: the one the probe created, so that a run that
   // fails leaves no empty summary behind, and one an earlier run left, so
   // that it cannot pass for this run's. Only a regular file is removed (not
-  // /dev/null or a pipe).
+  // /dev/null or a pipe); a symbolic link to one stays, and the file it
+  // points to is emptied.
   if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
     std::ofstream probe(path, std::ios::app);
     if (!probe) {
@@ -134,7 +135,12 @@ int main(int argc, char** argv) {
     }
     probe.close();
     std::error_code error;
-    if (std::filesystem::is_regular_file(path, error)) {
+    const std::filesystem::file_status own = std::filesystem::symlink_status(path, error);
+    if (std::filesystem::is_symlink(own)) {
+      if (std::filesystem::is_regular_file(path, error)) {
+        std::ofstream(path, std::ios::trunc).close();
+      }
+    } else if (std::filesystem::is_regular_file(own)) {
       std::filesystem::remove(path, error);
       if (error) {  // a directory we may not change: empty it at least
         std::ofstream(path, std::ios::trunc).close();

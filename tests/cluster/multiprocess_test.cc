@@ -185,6 +185,19 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
           << "the earlier run's " << summary << " is left after " << bad;
     }
   }
+  {
+    // A symbolic link stays, and the summary it points to is emptied (the
+    // link alone used to be removed, the earlier summary kept).
+    const std::string target = dir_ + "/target.json", link = dir_ + "/link.json";
+    std::ofstream(target) << "{\"test_accuracy\": 0.9}\n";
+    ASSERT_EQ(::symlink(target.c_str(), link.c_str()), 0);
+    const auto [code, out] = RunToEnd(
+        {PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, "--epochs=0", "--summary_json=" + link});
+    EXPECT_EQ(code, 1) << out;
+    struct stat st {};
+    ASSERT_EQ(::lstat(link.c_str(), &st), 0) << "the link was removed";
+    EXPECT_EQ(ReadFile(target), "") << "the earlier summary is left behind the link";
+  }
   ::kill(ps, SIGTERM);
   EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");
 }

@@ -1981,6 +1981,27 @@ TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
   EXPECT_THAT(std::string(registered.message()),
               HasSubstr("holds 0 of its 1 variables while ps shard 0 (" + addresses_[0] +
                         ") holds trained ones (version 2)"));
+  // A registration that names the shard's former incarnation (one that
+  // reached the shard after it restarted) is refused by the shard itself.
+  {
+    auto stub = ParameterServer::NewStub(
+        grpc::CreateChannel(addresses_[1], grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    RegisterResponse response;
+    auto writer = stub->RegisterVariables(&context, &response);
+    RegisterRequest request;
+    RegisterHeader* header = request.mutable_header();
+    header->set_plan_fingerprint(chief->plan().fingerprint());
+    header->set_num_shards(2);
+    header->set_shard_index(1);
+    header->set_shard_incarnation(0x1234);  // not this shard's
+    writer->Write(request);
+    writer->WritesDone();
+    const grpc::Status refused = writer->Finish();
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(refused.error_message(),
+                HasSubstr("RegisterVariables: this shard started after the client learned of it"));
+  }
   auto statuses = new_chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
   EXPECT_EQ((*statuses)[1].num_parts(), 0) << "the refused calls registered or applied something";
@@ -2019,6 +2040,37 @@ TEST_F(PsClusterTest, WorkerOfAnotherModelWithTheSameVariablesIsRefused) {
   EXPECT_THAT(registered.message(), HasSubstr("--model and --dataset"));
   // A client that does not say (0) is not checked.
   EXPECT_TRUE(client_for(0)->WaitForVariables(absl::Seconds(5)).ok());
+}
+
+// A chief of another model against trained shards hears that the plans
+// (or a variable) differ, not of a shard restart (the part counts differ
+// because the plans do), nor of the model's fingerprint.
+TEST_F(PsClusterTest, ChiefOfAnotherPlanIsToldTheVariableNotARestart) {
+  StartCluster(2);
+  auto client_for = [&](const std::vector<VariableSpec>& vars, uint64_t model_fingerprint) {
+    GrpcPsClientOptions options;
+    options.ps_addresses = addresses_;
+    options.model_fingerprint = model_fingerprint;
+    auto client = CreateGrpcPsClient(vars, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return std::move(*client);
+  };
+  const std::vector<VariableSpec> trained_vars = {{"a", {64}}, {"b", {64}}};
+  auto trained = client_for(trained_vars, 0x1111);
+  Tensors init = Make(trained_vars, 1.0f);
+  ASSERT_TRUE(trained->Register(init.cptrs()).ok());
+  ASSERT_TRUE(trained->Push(init.cptrs(), {1, 0}).ok());
+  // "b" grows, and a third variable joins: shard 1's share changes.
+  const std::vector<VariableSpec> other_vars = {{"a", {64}}, {"b", {96}}, {"c", {8}}};
+  auto other = client_for(other_vars, 0x2222);
+  Tensors other_init = Make(other_vars, 1.0f);
+  const absl::Status registered = other->Register(other_init.cptrs()).status();
+  EXPECT_EQ(registered.code(), absl::StatusCode::kFailedPrecondition) << registered;
+  EXPECT_THAT(std::string(registered.message()),
+              ::testing::AnyOf(HasSubstr("holds variables of another partition plan"),
+                               HasSubstr("variable 'b'")));
+  EXPECT_THAT(std::string(registered.message()), ::testing::Not(HasSubstr("restarted")));
+  EXPECT_THAT(std::string(registered.message()), ::testing::Not(HasSubstr("a model of")));
 }
 
 TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
