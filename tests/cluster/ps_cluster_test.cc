@@ -130,6 +130,18 @@ class PsClusterTest : public ::testing::Test {
     return client.ok() ? std::move(*client) : nullptr;
   }
 
+  // A client of `vars` with the worker's default options but for the model
+  // fingerprint it reports (0: none).
+  std::unique_ptr<PsClient> ModelClient(const std::vector<VariableSpec>& vars,
+                                        uint64_t model_fingerprint) {
+    GrpcPsClientOptions options;
+    options.ps_addresses = addresses_;
+    options.model_fingerprint = model_fingerprint;
+    auto client = CreateGrpcPsClient(vars, options);
+    EXPECT_TRUE(client.ok()) << client.status();
+    return client.ok() ? std::move(*client) : nullptr;
+  }
+
   // Push calls whose header said the client had checked the gradient, over
   // all shards.
   int64_t PushesCheckedByClient() {
@@ -2016,12 +2028,7 @@ TEST_F(PsClusterTest, WorkerOfAnotherModelWithTheSameVariablesIsRefused) {
   StartCluster(2);
   const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};
   auto client_for = [&](uint64_t model_fingerprint) {
-    GrpcPsClientOptions options;
-    options.ps_addresses = addresses_;
-    options.model_fingerprint = model_fingerprint;
-    auto client = CreateGrpcPsClient(vars, options);
-    EXPECT_TRUE(client.ok()) << client.status();
-    return std::move(*client);
+    return ModelClient(vars, model_fingerprint);
   };
   Tensors init = Make(vars, 1.0f);
   ASSERT_TRUE(client_for(0x1111)->Register(init.cptrs()).ok());
@@ -2048,12 +2055,7 @@ TEST_F(PsClusterTest, WorkerOfAnotherModelWithTheSameVariablesIsRefused) {
 TEST_F(PsClusterTest, ChiefOfAnotherPlanIsToldTheVariableNotARestart) {
   StartCluster(2);
   auto client_for = [&](const std::vector<VariableSpec>& vars, uint64_t model_fingerprint) {
-    GrpcPsClientOptions options;
-    options.ps_addresses = addresses_;
-    options.model_fingerprint = model_fingerprint;
-    auto client = CreateGrpcPsClient(vars, options);
-    EXPECT_TRUE(client.ok()) << client.status();
-    return std::move(*client);
+    return ModelClient(vars, model_fingerprint);
   };
   const std::vector<VariableSpec> trained_vars = {{"a", {64}}, {"b", {64}}};
   auto trained = client_for(trained_vars, 0x1111);
