@@ -79,13 +79,11 @@ absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
     // gRPC reads every other argument as an integer and drops a string
     // given for one without a word: "grpc.so_reuseport=false" left its
     // default of 1 in force, and a second shard could take the port.
-    {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--", flag, ": ", name, "=", value,
-          " is not an integer, which gRPC reads it as (it would drop the value without a word; "
-          "1 and 0 for true and false). The arguments that take text are ",
-          absl::StrJoin(kStringArgs, ", ")));
-    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--", flag, ": ", name, "=", value,
+        " is not an integer, which gRPC reads it as (it would drop the value without a word; "
+        "1 and 0 for true and false). The arguments that take text are ",
+        absl::StrJoin(kStringArgs, ", ")));
   }
   return absl::OkStatus();
 }

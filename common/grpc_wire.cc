@@ -389,6 +389,13 @@ size_t AppendSegmentPrefix(std::string* out, int field, absl::string_view variab
   return n;
 }
 
+namespace {
+// A fixed64 field's value: 8 bytes, little-endian.
+void AppendFixed64(std::string* out, uint64_t value) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(value >> (8 * i)));
+}
+}  // namespace
+
 void AppendPushHeader(std::string* out, const PushHeaderFields& h) {
   std::string body;
   if (h.worker_id != 0) {
@@ -406,7 +413,7 @@ void AppendPushHeader(std::string* out, const PushHeaderFields& h) {
   }
   if (h.request_id != 0) {
     AppendVarint(&body, Tag(4, kFixed64));
-    for (int i = 0; i < 8; ++i) body.push_back(static_cast<char>(h.request_id >> (8 * i)));
+    AppendFixed64(&body, h.request_id);
   }
   if (h.gradient_checked) {
     AppendVarint(&body, Tag(5, kVarint));
@@ -414,7 +421,7 @@ void AppendPushHeader(std::string* out, const PushHeaderFields& h) {
   }
   if (h.shard_incarnation != 0) {
     AppendVarint(&body, Tag(6, kFixed64));
-    for (int i = 0; i < 8; ++i) body.push_back(static_cast<char>(h.shard_incarnation >> (8 * i)));
+    AppendFixed64(&body, h.shard_incarnation);
   }
   AppendVarint(out, Tag(1, kLen));
   AppendVarint(out, body.size());

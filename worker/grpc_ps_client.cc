@@ -698,11 +698,6 @@ class GrpcPsClient final : public PsClient {
     return false;  // not reached: AnyNonFinite found one
   }
 
-  // Takes from the shards' statuses whether every shard holding parts of
-  // the model applies NaN/Inf gradients, and how long the shortest-lived
-  // remembers a push's request id: a push is retried only within that,
-  // whatever this client was told (a retry after the shard forgot the id
-  // would be applied twice).
   // Which start of each shard this client talks to (Shard::incarnation),
   // also in the pull requests already built.
   void LearnIncarnations(const std::vector<StatusResponse>& statuses) {
@@ -749,6 +744,11 @@ class GrpcPsClient final : public PsClient {
     return absl::OkStatus();
   }
 
+  // Takes from the shards' statuses whether every shard holding parts of
+  // the model applies NaN/Inf gradients, and how long the shortest-lived
+  // remembers a push's request id: a push is retried only within that,
+  // whatever this client was told (a retry after the shard forgot the id
+  // would be applied twice).
   void LearnShardPolicies(const std::vector<StatusResponse>& statuses) {
     bool allow = true;
     int shortest = -1;
