@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -196,15 +197,25 @@ std::string BadValueProblem(int argc, char** argv) {
   return "";
 }
 
-void ParseFlagsOrExit(int argc, char** argv, const char* program) {
+std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name) {
+  std::optional<std::string> value;
+  for (const FlagArg& arg : FlagArgs(argc, argv)) {
+    if (arg.name == name && arg.value) value = std::string(*arg.value);
+  }
+  return value;
+}
+
+void ParseFlagsOrExit(int argc, char** argv, const char* program,
+                      const std::function<void()>& before_error_exit) {
+  const auto fail = [&](const std::string& problem) {
+    std::fprintf(stderr, "%s: %s\n", program, problem.c_str());
+    if (before_error_exit) before_error_exit();
+    std::exit(1);
+  };
   if (const std::string unknown = UnknownFlagProblem(argc, argv, program); !unknown.empty()) {
-    std::fprintf(stderr, "%s: %s\n", program, unknown.c_str());
-    std::exit(1);
+    fail(unknown);
   }
-  if (const std::string bad = BadValueProblem(argc, argv); !bad.empty()) {
-    std::fprintf(stderr, "%s: %s\n", program, bad.c_str());
-    std::exit(1);
-  }
+  if (const std::string bad = BadValueProblem(argc, argv); !bad.empty()) fail(bad);
   // absl::ParseCommandLine is this with kHandleUsage, whose exit code for a
   // printed help is 1 in Abseil 20220623 (0 in later releases). Its other
   // exits (a bad value, an unknown flag) stay as they are.
@@ -221,11 +232,9 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program) {
   // dropped without a word, so the setting was the opposite of the one
   // asked for.
   if (left.size() > 1) {
-    std::fprintf(stderr,
-                 "%s: unexpected argument '%s'; %s takes only flags, each value joined to its "
-                 "flag (--name=value; a bool: --name, --noname or --name=false)\n",
-                 program, left[1], program);
-    std::exit(1);
+    fail(absl::StrCat("unexpected argument '", left[1], "'; ", program,
+                      " takes only flags, each value joined to its flag (--name=value; a bool: "
+                      "--name, --noname or --name=false)"));
   }
 }
 

@@ -4,11 +4,14 @@
 #ifndef PSFLOW_COMMON_FLAGS_USAGE_H_
 #define PSFLOW_COMMON_FLAGS_USAGE_H_
 
+#include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace psflow {
 
@@ -39,7 +42,19 @@ std::string BadValueProblem(int argc, char** argv);
 // flag, and with BadValueProblem's on a value that does not parse. An
 // argument that is not a flag exits 1 too (none of psflow's binaries takes
 // one: "--nesterov false" would set --nesterov and drop "false").
-void ParseFlagsOrExit(int argc, char** argv, const char* program);
+//
+// `before_error_exit`, where given, runs before each of those exits 1 (not
+// after --help, nor where Abseil's own parse exits, e.g. on a --flagfile
+// that cannot be read): the worker removes an earlier run's summary there.
+void ParseFlagsOrExit(int argc, char** argv, const char* program,
+                      const std::function<void()>& before_error_exit = nullptr);
+
+// The value the command line gives flag `name` (--name=V, -name=V, or
+// --name V for a flag that is not a bool), the last one where it is given
+// more than once as Abseil keeps the last; nullopt where it is not given.
+// Values in a --flagfile or --fromenv are not seen. For use before, or
+// without, parsing: a parse that fails exits.
+std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name);
 
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';
 // INVALID_ARGUMENT naming the flag and the item when one has no '=' or no

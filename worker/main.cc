@@ -100,6 +100,24 @@ constexpr int kMaxThreads = 256;
 // The most a ps shard accepts per message (ps_server --max_chunk_bytes).
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
+// Removes the summary an earlier run left at `path`, so that a run that
+// fails cannot be taken for it: a regular file (not /dev/null or a pipe);
+// a symbolic link stays, and the file it points to is emptied.
+void ForgetEarlierSummary(const std::string& path) {
+  std::error_code error;
+  const std::filesystem::file_status own = std::filesystem::symlink_status(path, error);
+  if (std::filesystem::is_symlink(own)) {
+    if (std::filesystem::is_regular_file(path, error)) {
+      std::ofstream(path, std::ios::trunc).close();
+    }
+  } else if (std::filesystem::is_regular_file(own)) {
+    std::filesystem::remove(path, error);
+    if (error) {  // a directory we may not change: empty it at least
+      std::ofstream(path, std::ios::trunc).close();
+    }
+  }
+}
+
 int Fail(const absl::Status& status) {
   const std::string line = absl::StrCat("worker: ", status.ToString(), "\n");
   std::fwrite(line.data(), 1, line.size(), stderr);
@@ -114,7 +132,13 @@ int main(int argc, char** argv) {
       "  worker --ps_hosts=h:2222,h:2223 --worker_hosts=h:2230,h:2231 --task_index=0\n"
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
       "worker/main.cc");
-  psflow::ParseFlagsOrExit(argc, argv, "worker");
+  // A run refused by the flag parser (an unknown flag, a value that is not
+  // a number) fails too: the summary is looked up on the command line, since
+  // the flags are not parsed.
+  psflow::ParseFlagsOrExit(argc, argv, "worker", [argc, argv] {
+    const std::optional<std::string> path = psflow::CommandLineValue(argc, argv, "summary_json");
+    if (path && !path->empty()) ForgetEarlierSummary(*path);
+  });
   psflow::TuneAllocatorForLargeMessages();
   // A log reader that went away (`| head`, a `tee` that was stopped) must
   // not end the training with SIGPIPE at the next progress line: the
@@ -124,9 +148,7 @@ int main(int argc, char** argv) {
   // can be, not after the run, and before any other check can fail. Then
   // the file is removed: the one the probe created, so that a run that
   // fails leaves no empty summary behind, and one an earlier run left, so
-  // that it cannot pass for this run's. Only a regular file is removed (not
-  // /dev/null or a pipe); a symbolic link to one stays, and the file it
-  // points to is emptied.
+  // that it cannot pass for this run's.
   if (const std::string path = absl::GetFlag(FLAGS_summary_json); !path.empty()) {
     std::ofstream probe(path, std::ios::app);
     if (!probe) {
@@ -134,18 +156,7 @@ int main(int argc, char** argv) {
           absl::StrCat("--summary_json=", path, " cannot be written: ", std::strerror(errno))));
     }
     probe.close();
-    std::error_code error;
-    const std::filesystem::file_status own = std::filesystem::symlink_status(path, error);
-    if (std::filesystem::is_symlink(own)) {
-      if (std::filesystem::is_regular_file(path, error)) {
-        std::ofstream(path, std::ios::trunc).close();
-      }
-    } else if (std::filesystem::is_regular_file(own)) {
-      std::filesystem::remove(path, error);
-      if (error) {  // a directory we may not change: empty it at least
-        std::ofstream(path, std::ios::trunc).close();
-      }
-    }
+    ForgetEarlierSummary(path);
   }
   // A container's entry point runs as PID 1, to which the kernel delivers
   // no signal the process has no handler for: SIGTERM (docker stop, a pod's

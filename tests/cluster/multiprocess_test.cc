@@ -171,10 +171,14 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     // A summary an earlier run left is gone when this run fails, so that a
     // script reading it cannot take it for this run's.
     const std::string summary = dir_ + "/stale.json";
-    // (Also when a flag's value is refused, the first check after parsing.)
+    // (Also when a flag's value is refused, the first check after parsing,
+    // and when the flag parser itself refuses the command line.)
     for (const auto& [bad, said] :
          {std::pair<std::string, std::string>{"--dataset=no_such_dataset", "no_such_dataset"},
-          {"--epochs=0", "--epochs=0"}}) {
+          {"--epochs=0", "--epochs=0"},
+          {"--no_such_flag=1", "unknown flag --no_such_flag"},
+          {"--epochs=three", "--epochs=three is not a whole number"},
+          {"stray", "unexpected argument 'stray'"}}) {
       std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
       const auto [code, out] =
           RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, bad, "--summary_json=" + summary});

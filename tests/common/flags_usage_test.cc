@@ -1,9 +1,11 @@
 // ParseNameValues: the name=value lists of --grpc_arg (ps_server, worker)
 // and --client_grpc_arg (push_pull_bench). UnknownFlagProblem: the message
 // for a mistyped or foreign flag. BadValueProblem: the message for a value
-// that does not parse.
+// that does not parse. CommandLineValue: a flag's value read from the
+// command line before (or without) parsing.
 #include "common/flags_usage.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,6 +111,34 @@ TEST(BadValueProblemTest, AcceptsGoodValuesAndLeavesOthersToTheirChecks) {
             "");
   EXPECT_EQ(absl::GetFlag(FLAGS_batch_size), 32);  // parsed as the real parse will
   EXPECT_EQ(BadValue({"--", "--batch_size=x"}), "");
+}
+
+std::optional<std::string> Value(std::vector<std::string> args, absl::string_view name) {
+  args.insert(args.begin(), "prog");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return CommandLineValue(static_cast<int>(argv.size()), argv.data(), name);
+}
+
+TEST(CommandLineValueTest, FindsTheValueInEveryFormAbseilTakes) {
+  EXPECT_EQ(Value({"--optimizer=sgd"}, "optimizer"), "sgd");
+  EXPECT_EQ(Value({"-optimizer=sgd"}, "optimizer"), "sgd");
+  EXPECT_EQ(Value({"--batch_size", "32", "--optimizer", "adagrad"}, "optimizer"), "adagrad");
+  EXPECT_EQ(Value({"--optimizer="}, "optimizer"), "");
+  // The last one wins, as in Abseil's parse; an unknown flag before it or
+  // a bad value of another flag does not hide it.
+  EXPECT_EQ(
+      Value({"--optimizer=sgd", "--no_such=1", "--batch_size=x", "--optimizer=adam"}, "optimizer"),
+      "adam");
+}
+
+TEST(CommandLineValueTest, NothingWhereTheFlagIsNotGiven) {
+  EXPECT_EQ(Value({}, "optimizer"), std::nullopt);
+  EXPECT_EQ(Value({"--optimizer_x=sgd", "--batch_size=3"}, "optimizer"), std::nullopt);
+  EXPECT_EQ(Value({"--", "--optimizer=sgd"}, "optimizer"), std::nullopt);
+  EXPECT_EQ(Value({"positional", "optimizer=sgd"}, "optimizer"), std::nullopt);
+  // "--fused_push_pull sgd": a bool takes no next argument.
+  EXPECT_EQ(Value({"--fused_push_pull", "sgd"}, "fused_push_pull"), std::nullopt);
 }
 
 }  // namespace
