@@ -8,9 +8,10 @@
 # SANITIZE=address,undefined builds the C++ code with those sanitizers
 # instead (default BUILD_DIR: build-sanitize; no benchmarks, no CUDA) and
 # runs the same tests, any finding failing its test. CI runs the suite both
-# ways, then tests/tsan.sh (ThreadSanitizer on the tests without gRPC).
-# SANITIZE=thread builds everything with TSan, but with Debian's gRPC its
-# reports are not to be trusted (docs/ARCHITECTURE.md, "Testing").
+# ways, then tests/tsan.sh (ThreadSanitizer on the concurrency tests).
+# SANITIZE=thread builds everything with TSan; tests/tsan.sh is the way to
+# run it, with the options and suppressions that Debian's uninstrumented
+# gRPC needs (docs/ARCHITECTURE.md, "Testing").
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 SANITIZE=${SANITIZE:-}
