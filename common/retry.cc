@@ -47,7 +47,8 @@ absl::Duration Backoff::Next() {
   return wait;
 }
 
-absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt) {
+absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
+                       const std::function<void(absl::Duration)>& wait_for) {
   Backoff backoff(options);
   absl::Status status;
   const int attempts = std::max(1, options.max_attempts);
@@ -67,7 +68,11 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
       past_window = true;
       break;
     }
-    absl::SleepFor(wait);
+    if (wait_for) {
+      wait_for(wait);
+    } else {
+      absl::SleepFor(wait);
+    }
   }
   std::string why;
   if (past_window) {

@@ -325,13 +325,13 @@ class GrpcPsClient final : public PsClient {
       // Every shard's state first: what it holds, how large a message it
       // takes, and which start of it this is.
       PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-        return RetryCall(options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
+        return RetryOnShard(s, options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
       }));
       PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
       LearnIncarnations(statuses);
       const absl::Status registered = ForEachShard(plan_.num_shards(), [&](int s) {
         int sent = 0;  // registrations sent to the shard
-        return RetryCall(options_.retry, [&] {
+        return RetryOnShard(s, options_.retry, [&] {
           // How large a message the shard takes, before sending it any
           // (again on a retry), and whether it is still the one checked.
           if (sent > 0) {
@@ -425,7 +425,7 @@ class GrpcPsClient final : public PsClient {
                                                         why.message()));
       }
       previous = missing;
-      absl::SleepFor(std::min(backoff.Next(), deadline - absl::Now()));
+      WatchChannels(std::min(backoff.Next(), deadline - absl::Now()), /*only_shard=*/-1);
     }
   }
 
@@ -435,7 +435,7 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       // Nothing to read there (an empty request would read all it holds).
       if (shards_[s].parts.empty()) return absl::OkStatus();
-      return RetryCall(options_.retry, [&] {
+      return RetryOnShard(s, options_.retry, [&] {
         std::vector<PullResult> parts(NumStreams(s));
         PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t, absl::Time deadline) {
           return PullOnce(s, k, deadline, values, &parts[k]);
@@ -480,7 +480,7 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryCall(*push_retry, [&] {
+      return RetryOnShard(s, *push_retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end, absl::Time deadline) {
           return PushOnce(s, k, begin, end, deadline, grads, {info, request_id, checked}, refs);
         });
@@ -502,7 +502,7 @@ class GrpcPsClient final : public PsClient {
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
-      return RetryCall(*push_retry, [&] {
+      return RetryOnShard(s, *push_retry, [&] {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
@@ -532,12 +532,58 @@ class GrpcPsClient final : public PsClient {
     }
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryCall(retry, [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });
+      return RetryOnShard(s, retry,
+                          [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });
     }));
     return out;
   }
 
  private:
+  // Spends `wait` (a retry's backoff) watching the channels of shard
+  // `only_shard` (-1: of every shard), asking each to connect. A client
+  // that slept instead left a broken connection to gRPC: its reconnection
+  // attempts went on, but nothing polled for their outcome until a call
+  // did, and calls failed at once meanwhile with the last error (the
+  // channel in TRANSIENT_FAILURE). With several connections to a shard, a
+  // 0.3 s outage made every retry of a push fail with "Connection refused"
+  // while the shard had been listening again for 16 s, and the worker gave
+  // up. Watching polls the channels, so that a reconnection completes
+  // while the client waits.
+  void WatchChannels(absl::Duration wait, int only_shard) {
+    const auto deadline = absl::ToChronoTime(absl::Now() + wait);
+    grpc::CompletionQueue cq;
+    int pending = 0;
+    const auto watch = [&](grpc::Channel* channel) {
+      channel->NotifyOnStateChange(channel->GetState(/*try_to_connect=*/true), deadline, &cq,
+                                   channel);
+      ++pending;
+    };
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      if (only_shard >= 0 && s != only_shard) continue;
+      for (Connection& c : shards_[s].conns) watch(c.channel.get());
+    }
+    void* tag;
+    bool changed;
+    // A watch ends with `changed` when its channel's state moved, else at
+    // the deadline; each moved one is watched again until the deadline.
+    while (pending > 0 && cq.Next(&tag, &changed)) {
+      --pending;
+      if (changed && std::chrono::system_clock::now() < deadline) {
+        watch(static_cast<grpc::Channel*>(tag));
+      }
+    }
+    cq.Shutdown();
+    while (cq.Next(&tag, &changed)) {
+    }
+  }
+
+  // RetryCall for a call to shard s, each backoff spent watching the
+  // shard's channels.
+  absl::Status RetryOnShard(int s, const RetryOptions& options,
+                            const std::function<absl::Status()>& attempt) {
+    return RetryCall(options, attempt, [this, s](absl::Duration wait) { WatchChannels(wait, s); });
+  }
+
   // One received Pull message: its slices (references, no copy) and the
   // decoded segments pointing into them.
   struct PullBuffers {

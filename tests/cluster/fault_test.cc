@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -102,6 +103,36 @@ TEST_F(FaultTest, KilledShardEndsTheWorkerWithAnErrorNamingIt) {
                   cluster.ps[1], "\\): .* \\(gave up after")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);
+}
+
+// A shard killed and started again on its address (a restarted container):
+// it has lost the variables, and the worker must say so, not that the
+// shard is down. With several connections to the shard, a worker whose
+// retries only slept found it refused at every attempt, "Connection
+// refused" after its last one, though the shard was back within 1.5 s:
+// gRPC's reconnection went on, but nothing polled for its outcome.
+TEST_F(FaultTest, RestartedShardIsReportedAsRestartedNotAsDown) {
+  const LocalCluster cluster(2, 1);
+  StartShards(cluster);
+  const pid_t worker = StartWorker(cluster, 0, {"--epochs=2", "--ps_streams=2"});
+  ASSERT_TRUE(Training(0, worker));
+
+  ASSERT_EQ(::kill(ps_[1], SIGKILL), 0);
+  Reap(ps_[1], std::chrono::seconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  ps_[1] = Start({PSFLOW_PS_SERVER_BIN}, cluster.TfConfig("ps", 1), PsLog(1));
+  const int code = Reap(worker, std::chrono::seconds(180));
+  const std::string log = ReadFile(WorkerLog(0));
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_THAT(log, ContainsRegex(absl::StrCat(
+                       "\nworker: FAILED_PRECONDITION: the (push|pull) of step [0-9]+ \\(epoch "
+                       "[0-9]+, batch [0-9]+\\): ps shard 1 \\(",
+                       cluster.ps[1],
+                       "\\): (Push|Pull): this shard started after the client "
+                       "learned of it")));
+  EXPECT_TRUE(NoSanitizerReport(log));
+  ExpectShardStopsCleanly(0);
+  ExpectShardStopsCleanly(1);
 }
 
 // A shard frozen mid-training (SIGSTOP: a paused VM or container, a machine

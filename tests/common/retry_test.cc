@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -30,6 +31,30 @@ TEST(RetryCallTest, RefusedConnectionsAreRetriedUpToMaxAttempts) {
   EXPECT_EQ(calls, 10);
   EXPECT_TRUE(absl::IsUnavailable(s));
   EXPECT_THAT(s.message(), HasSubstr("connection refused (gave up after 10 attempts)"));
+}
+
+// The waits between attempts go to the caller's `wait` where it gives one
+// (the gRPC client watches its channels there), one per retry, each the
+// backoff's.
+TEST(RetryCallTest, WaitsThroughTheCallersWaitWhereGiven) {
+  RetryOptions o;
+  o.initial_backoff = absl::Milliseconds(100);
+  o.max_backoff = absl::Milliseconds(400);
+  o.jitter = 0;
+  o.max_attempts = 5;
+  std::vector<absl::Duration> waits;
+  int calls = 0;
+  const absl::Status s = RetryCall(
+      o,
+      [&] {
+        ++calls;
+        return absl::UnavailableError("connection refused");
+      },
+      [&](absl::Duration d) { waits.push_back(d); });
+  EXPECT_EQ(calls, 5);
+  EXPECT_TRUE(absl::IsUnavailable(s));
+  EXPECT_THAT(waits, ::testing::ElementsAre(absl::Milliseconds(100), absl::Milliseconds(200),
+                                            absl::Milliseconds(400), absl::Milliseconds(400)));
 }
 
 // A hung peer makes every attempt wait its whole deadline: ten of them took
