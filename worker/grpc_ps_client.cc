@@ -408,6 +408,13 @@ class GrpcPsClient final : public PsClient {
           }
         }
       }
+      // A shard that lacks its parts while another holds trained ones
+      // restarted and lost them: no chief will register them again (it is
+      // refused so), so waiting would end only at the timeout, blaming the
+      // chief.
+      if (!missing.ok() && statuses.ok()) {
+        PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(*statuses));
+      }
       if (missing.ok()) {
         LearnShardPolicies(*statuses);
         LearnIncarnations(*statuses);

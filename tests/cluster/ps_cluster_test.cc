@@ -1993,6 +1993,17 @@ TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
   EXPECT_THAT(std::string(registered.message()),
               HasSubstr("holds 0 of its 1 variables while ps shard 0 (" + addresses_[0] +
                         ") holds trained ones (version 2)"));
+  // A worker started now would wait for a registration that no chief can
+  // make: it is told at once what happened, not after its wait, and not
+  // that the chief may be missing.
+  {
+    auto worker = Client(vars);
+    const absl::Status waited = worker->WaitForVariables(absl::Seconds(60));
+    EXPECT_EQ(waited.code(), absl::StatusCode::kFailedPrecondition) << waited;
+    EXPECT_THAT(std::string(waited.message()),
+                HasSubstr("holds 0 of its 1 variables while ps shard 0 (" + addresses_[0] +
+                          ") holds trained ones (version 2)"));
+  }
   // A registration that names the shard's former incarnation (one that
   // reached the shard after it restarted) is refused by the shard itself.
   {
