@@ -931,7 +931,10 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("Push: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = slots[0].message.msg.header;
-    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation, "Push"));
+    if (absl::Status s = CheckIncarnation(h.shard_incarnation, "Push"); !s.ok()) {
+      store_->CountRejectedPush();
+      return s;
+    }
     auto session =
         store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     std::deque<ApplierPool::Ticket> applying;  // oldest first
@@ -989,7 +992,10 @@ class PsServer::Service final : public grpc::Service {
       return absl::InvalidArgumentError("PushPull: the first message must carry the header");
     }
     const wire::PushHeaderFields& h = m.msg.header;
-    PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation, "PushPull"));
+    if (absl::Status s = CheckIncarnation(h.shard_incarnation, "PushPull"); !s.ok()) {
+      store_->CountRejectedPush();
+      return s;
+    }
     auto session =
         store_->BeginPush({h.worker_id, h.step, h.read_version, h.request_id, h.gradient_checked});
     PreparedPush prepared;

@@ -334,6 +334,9 @@ class VariableStore {
     std::atomic<int64_t> skipped_{0};
   };
   std::unique_ptr<PushSession> BeginPush(const PushHeaderInfo& header);
+  // Counts a push refused before its session began (its header names
+  // another start of this shard) among the rejected ones.
+  void CountRejectedPush() { ++rejected_requests_; }
 
   // Copies `count` parameter values of `variable`'s part starting at
   // `offset` into `out` (4 * count bytes); returns the part's version.

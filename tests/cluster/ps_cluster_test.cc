@@ -2028,6 +2028,9 @@ TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
   auto statuses = new_chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
   EXPECT_EQ((*statuses)[1].num_parts(), 0) << "the refused calls registered or applied something";
+  // The refused push counts as rejected (it did not, so a restarted shard
+  // that refused every worker showed none).
+  EXPECT_EQ((*statuses)[1].rejected_requests(), 1);
   ASSERT_EQ((*statuses)[0].parts_size(), 1);
   EXPECT_EQ((*statuses)[0].parts(0).version(), 2);
 }
