@@ -197,6 +197,19 @@ std::string BadValueProblem(int argc, char** argv) {
   return "";
 }
 
+namespace {
+
+// ParseFlagsOrExit's before_error_exit while Abseil's own parse runs, which
+// exits 1 itself on what the checks before it do not see (a --flagfile that
+// cannot be read, or with an unknown flag in it).
+const std::function<void()>* parse_exit_hook = nullptr;
+
+void RunParseExitHook() {
+  if (parse_exit_hook != nullptr && *parse_exit_hook) (*parse_exit_hook)();
+}
+
+}  // namespace
+
 std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name) {
   std::optional<std::string> value;
   for (const FlagArg& arg : FlagArgs(argc, argv)) {
@@ -220,9 +233,12 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program,
   // printed help is 1 in Abseil 20220623 (0 in later releases). Its other
   // exits (a bad value, an unknown flag) stay as they are.
   namespace fi = absl::flags_internal;
+  static const bool exit_hook_registered = std::atexit(RunParseExitHook) == 0;
+  if (exit_hook_registered) parse_exit_hook = &before_error_exit;
   const std::vector<char*> left = fi::ParseCommandLineImpl(
       argc, argv, fi::ArgvListAction::kRemoveParsedArgs, fi::UsageFlagsAction::kIgnoreUsage,
       fi::OnUndefinedFlag::kAbortIfUndefined);
+  parse_exit_hook = nullptr;
   if (fi::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) >= 0) {
     std::cout.flush();
     std::exit(0);

@@ -43,9 +43,10 @@ std::string BadValueProblem(int argc, char** argv);
 // argument that is not a flag exits 1 too (none of psflow's binaries takes
 // one: "--nesterov false" would set --nesterov and drop "false").
 //
-// `before_error_exit`, where given, runs before each of those exits 1 (not
-// after --help, nor where Abseil's own parse exits, e.g. on a --flagfile
-// that cannot be read): the worker removes an earlier run's summary there.
+// `before_error_exit`, where given, runs before each of those exits 1, and
+// where Abseil's own parse exits 1 (a --flagfile that cannot be read, or
+// with an unknown flag in it); not after --help. The worker removes an
+// earlier run's summary there.
 void ParseFlagsOrExit(int argc, char** argv, const char* program,
                       const std::function<void()>& before_error_exit = nullptr);
 

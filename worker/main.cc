@@ -7,6 +7,7 @@
 //
 // The chief (or worker 0 when the cluster lists no chief) registers the
 // variables and evaluates on the test set after every epoch.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -100,10 +101,27 @@ constexpr int kMaxThreads = 256;
 // The most a ps shard accepts per message (ps_server --max_chunk_bytes).
 constexpr int64_t kMaxChunkBytes = int64_t{1} << 30;
 
+// Whether `path` is the file this process's stdout or stderr goes to
+// (--summary_json=/dev/stdout, or the log's own name): emptying it would
+// take the log with it.
+bool IsOwnOutput(const std::string& path) {
+  struct stat file {};
+  if (::stat(path.c_str(), &file) != 0) return false;
+  for (int fd : {STDOUT_FILENO, STDERR_FILENO}) {
+    struct stat out {};
+    if (::fstat(fd, &out) == 0 && out.st_dev == file.st_dev && out.st_ino == file.st_ino) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Removes the summary an earlier run left at `path`, so that a run that
-// fails cannot be taken for it: a regular file (not /dev/null or a pipe);
-// a symbolic link stays, and the file it points to is emptied.
+// fails cannot be taken for it: a regular file (not /dev/null or a pipe,
+// nor this process's own log); a symbolic link stays, and the file it
+// points to is emptied.
 void ForgetEarlierSummary(const std::string& path) {
+  if (IsOwnOutput(path)) return;
   std::error_code error;
   const std::filesystem::file_status own = std::filesystem::symlink_status(path, error);
   if (std::filesystem::is_symlink(own)) {
@@ -136,8 +154,11 @@ int main(int argc, char** argv) {
   // a number) fails too: the summary is looked up on the command line, since
   // the flags are not parsed.
   psflow::ParseFlagsOrExit(argc, argv, "worker", [argc, argv] {
-    const std::optional<std::string> path = psflow::CommandLineValue(argc, argv, "summary_json");
-    if (path && !path->empty()) ForgetEarlierSummary(*path);
+    // Set where the flags were parsed (a --flagfile's too), else as the
+    // command line gives it.
+    std::string path = absl::GetFlag(FLAGS_summary_json);
+    if (path.empty()) path = psflow::CommandLineValue(argc, argv, "summary_json").value_or("");
+    if (!path.empty()) ForgetEarlierSummary(path);
   });
   psflow::TuneAllocatorForLargeMessages();
   // A log reader that went away (`| head`, a `tee` that was stopped) must
@@ -381,7 +402,9 @@ int main(int argc, char** argv) {
         replica, replicas, cluster->is_chief() ? "true" : "false", JsonString((*backend)->name()),
         JsonString(model->spec), JsonString(absl::GetFlag(FLAGS_dataset)), batch_size, threads,
         static_cast<int>(cluster->ps.size()), parameters);
-    std::ofstream out(path);
+    // Appended where it is this process's own output (/dev/stdout): opening
+    // it afresh would empty the log written so far.
+    std::ofstream out(path, IsOwnOutput(path) ? std::ios::app : std::ios::trunc);
     out << SummaryToJson(*summary, extra);
     out.close();  // the bytes reach the file here, or fail to (a full disk)
     if (out.fail()) {

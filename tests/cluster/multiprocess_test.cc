@@ -172,13 +172,17 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     // script reading it cannot take it for this run's.
     const std::string summary = dir_ + "/stale.json";
     // (Also when a flag's value is refused, the first check after parsing,
-    // and when the flag parser itself refuses the command line.)
+    // and when the flag parser itself refuses the command line, a
+    // --flagfile's line included.)
+    const std::string flagfile = dir_ + "/bad.flags";
+    std::ofstream(flagfile) << "--epochs=1\n--no_such_flag_in_a_file=1\n";
     for (const auto& [bad, said] :
          {std::pair<std::string, std::string>{"--dataset=no_such_dataset", "no_such_dataset"},
           {"--epochs=0", "--epochs=0"},
           {"--no_such_flag=1", "unknown flag --no_such_flag"},
           {"--epochs=three", "--epochs=three is not a whole number"},
-          {"stray", "unexpected argument 'stray'"}}) {
+          {"stray", "unexpected argument 'stray'"},
+          {"--flagfile=" + flagfile, "no_such_flag_in_a_file"}}) {
       std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
       const auto [code, out] =
           RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, bad, "--summary_json=" + summary});
@@ -201,6 +205,20 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     struct stat st {};
     ASSERT_EQ(::lstat(link.c_str(), &st), 0) << "the link was removed";
     EXPECT_EQ(ReadFile(target), "") << "the earlier summary is left behind the link";
+  }
+  {
+    // --summary_json=/dev/stdout with stdout going to a file: the summary
+    // comes after the log, which neither the removal at the start nor the
+    // summary's writing may empty.
+    const std::string log = dir_ + "/stdout-summary.log";
+    const pid_t worker =
+        Start({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, "--train_steps=3", "--epochs=1",
+               "--threads=1", "--device=cpu", "--summary_json=/dev/stdout"},
+              "", log);
+    EXPECT_EQ(Reap(worker, std::chrono::seconds(120)), 0) << ReadFile(log);
+    const std::string out = ReadFile(log);
+    EXPECT_THAT(out, ::testing::HasSubstr("registered the model"));
+    EXPECT_THAT(out, ::testing::HasSubstr("\"test_accuracy\""));
   }
   ::kill(ps, SIGTERM);
   EXPECT_EQ(Reap(ps, std::chrono::seconds(20)), 0) << ReadFile(dir_ + "/ps.log");
