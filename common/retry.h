@@ -60,11 +60,12 @@ class Backoff {
 // `max_attempts` are spent (or `max_deadline_attempts` ended in
 // DEADLINE_EXCEEDED), or another would start past `retry_window`; waits
 // per Backoff between attempts, by sleeping or, where given, by calling
-// `wait` with the backoff (a gRPC client watches its channels there, so
-// that their reconnection goes on meanwhile; `wait` should return after
-// about that long). The final error says how many attempts were made.
+// `wait_for` with the backoff (a gRPC client watches its channels there, so
+// that their reconnection goes on meanwhile; it should return after about
+// that long, and no attempt starts if it returned past `retry_window`). The
+// final error says how many attempts were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
-                       const std::function<void(absl::Duration)>& wait = nullptr);
+                       const std::function<void(absl::Duration)>& wait_for = nullptr);
 
 }  // namespace psflow
 

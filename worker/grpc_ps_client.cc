@@ -24,6 +24,7 @@
 #include "common/process_stats.h"
 #include "common/status_macros.h"
 #include "common/tensor_checks.h"
+#include "grpc/support/time.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/impl/rpc_method.h"
 #include "grpcpp/support/sync_stream.h"
@@ -374,6 +375,7 @@ class GrpcPsClient final : public PsClient {
     const absl::Time deadline = absl::Now() + timeout;
     Backoff backoff(options_.retry);
     absl::Status previous;  // what the attempt before this one found missing
+    std::vector<StatusResponse> earlier;  // the last round's answers, where all came
     while (true) {
       absl::Status missing = absl::OkStatus();
       // At least one check, with a second to answer, however short the wait.
@@ -381,7 +383,9 @@ class GrpcPsClient final : public PsClient {
       if (!statuses.ok()) {
         missing = statuses.status();
       } else {
-        for (int s = 0; s < plan_.num_shards() && missing.ok(); ++s) {
+        // Every shard is looked at: one of another model after one that
+        // misses its parts is named, not waited for.
+        for (int s = 0; s < plan_.num_shards(); ++s) {
           const StatusResponse& r = (*statuses)[s];
           if (r.plan_fingerprint() != 0 && r.plan_fingerprint() != plan_.fingerprint()) {
             return absl::FailedPreconditionError(absl::StrFormat(
@@ -400,7 +404,7 @@ class GrpcPsClient final : public PsClient {
           // A shard that pages its parts counts them all in num_parts; an
           // older one lists them all.
           const int64_t held = std::max<int64_t>(r.num_parts(), r.parts_size());
-          if (held < static_cast<int64_t>(shards_[s].parts.size())) {
+          if (held < static_cast<int64_t>(shards_[s].parts.size()) && missing.ok()) {
             missing = absl::UnavailableError(
                 absl::StrCat(shards_[s].name, " holds ", held, " of its ", shards_[s].parts.size(),
                              " variables; is the chief (the \"chief\" task, else worker 0) running "
@@ -408,12 +412,15 @@ class GrpcPsClient final : public PsClient {
           }
         }
       }
-      // A shard that lacks its parts while another holds trained ones
-      // restarted and lost them: no chief will register them again (it is
-      // refused so), so waiting would end only at the timeout, blaming the
-      // chief.
+      // A shard that lacks its parts now while another held trained ones in
+      // the round before restarted and lost them: no chief will register
+      // them again (it is refused so), so waiting would end only at the
+      // timeout, blaming the chief.
       if (!missing.ok() && statuses.ok()) {
-        PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(*statuses));
+        if (!earlier.empty()) {
+          PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(*statuses, earlier));
+        }
+        earlier = *statuses;
       }
       if (missing.ok()) {
         LearnShardPolicies(*statuses);
@@ -557,7 +564,11 @@ class GrpcPsClient final : public PsClient {
   // up. Watching polls the channels, so that a reconnection completes
   // while the client waits.
   void WatchChannels(absl::Duration wait, int only_shard) {
-    const auto deadline = absl::ToChronoTime(absl::Now() + wait);
+    // On the monotonic clock: a wall clock set back meanwhile would make a
+    // push's retry wait past the window in which the shard remembers it.
+    const gpr_timespec deadline =
+        gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                     gpr_time_from_micros(absl::ToInt64Microseconds(wait), GPR_TIMESPAN));
     grpc::CompletionQueue cq;
     int pending = 0;
     const auto watch = [&](grpc::Channel* channel) {
@@ -575,7 +586,7 @@ class GrpcPsClient final : public PsClient {
     // the deadline; each moved one is watched again until the deadline.
     while (pending > 0 && cq.Next(&tag, &changed)) {
       --pending;
-      if (changed && std::chrono::system_clock::now() < deadline) {
+      if (changed && gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), deadline) < 0) {
         watch(static_cast<grpc::Channel*>(tag));
       }
     }
@@ -771,19 +782,34 @@ class GrpcPsClient final : public PsClient {
   // trained ones, which training would then mix without a word. (A chief
   // that stopped part-way through registering leaves versions at 0.)
   absl::Status CheckNoShardLostTrainedModel(const std::vector<StatusResponse>& statuses) const {
+    return CheckNoShardLostTrainedModel(statuses, statuses);
+  }
+
+  // The same, with what the shards hold now (`now`) against which held
+  // trained parts before (`before`, answers all received before any of
+  // `now` was asked for). A client other than the chief needs the two:
+  // answers asked for at once may come seconds apart (a shard reached only
+  // after its connection was retried), and a shard's "none" from before the
+  // chief registered next to another's "trained" from after its first push
+  // is no restart. (The chief registers itself, so its own answers do.)
+  absl::Status CheckNoShardLostTrainedModel(const std::vector<StatusResponse>& now,
+                                            const std::vector<StatusResponse>& before) const {
     // A shard of another plan (another model, another number of shards) is
     // the registration's to name, variable by variable: its part counts say
     // nothing of a restart.
-    for (const StatusResponse& status : statuses) {
-      if (status.plan_fingerprint() != 0 && status.plan_fingerprint() != plan_.fingerprint()) {
-        return absl::OkStatus();
+    for (const auto* statuses : {&now, &before}) {
+      for (const StatusResponse& status : *statuses) {
+        if (status.plan_fingerprint() != 0 && status.plan_fingerprint() != plan_.fingerprint()) {
+          return absl::OkStatus();
+        }
       }
     }
     int trained = -1;
     for (int s = 0; s < plan_.num_shards() && trained < 0; ++s) {
-      if (statuses[s].parts_size() > 0 && statuses[s].parts(0).version() > 0) trained = s;
+      if (before[s].parts_size() > 0 && before[s].parts(0).version() > 0) trained = s;
     }
     if (trained < 0) return absl::OkStatus();
+    const std::vector<StatusResponse>& statuses = now;
     for (int s = 0; s < plan_.num_shards(); ++s) {
       const int64_t held = std::max<int64_t>(statuses[s].num_parts(), statuses[s].parts_size());
       if (s == trained || held >= static_cast<int64_t>(shards_[s].parts.size())) continue;
@@ -792,7 +818,7 @@ class GrpcPsClient final : public PsClient {
           "restarted and lost its variables, and psflow keeps no checkpoints yet; restart every "
           "ps shard, then the workers",
           shards_[s].name, held, shards_[s].parts.size(), shards_[trained].name,
-          statuses[trained].parts(0).version(), shards_[s].name));
+          before[trained].parts(0).version(), shards_[s].name));
     }
     return absl::OkStatus();
   }

@@ -57,6 +57,25 @@ TEST(RetryCallTest, WaitsThroughTheCallersWaitWhereGiven) {
                                             absl::Milliseconds(400), absl::Milliseconds(400)));
 }
 
+// A wait that returns late (a timer that fired late) starts no attempt past
+// the retry window: the window is checked before each wait and after it.
+TEST(RetryCallTest, AWaitThatOverranTheWindowStartsNoAttempt) {
+  RetryOptions o;
+  o.initial_backoff = absl::Milliseconds(10);
+  o.jitter = 0;
+  o.retry_window = absl::Milliseconds(50);
+  int calls = 0;
+  const absl::Status s = RetryCall(
+      o,
+      [&] {
+        ++calls;
+        return absl::UnavailableError("connection refused");
+      },
+      [](absl::Duration) { absl::SleepFor(absl::Milliseconds(100)); });
+  EXPECT_EQ(calls, 1);
+  EXPECT_THAT(s.message(), HasSubstr("another would start more than 50ms after the first"));
+}
+
 // A hung peer makes every attempt wait its whole deadline: ten of them took
 // ten deadlines to report it.
 TEST(RetryCallTest, TimeoutsAreRetriedOnlyUpToMaxDeadlineAttempts) {
