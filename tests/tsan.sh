@@ -94,8 +94,10 @@ fi
 # mallocs, memcpys and socket reads) is not recorded, as their handing over
 # between threads cannot be seen either.
 export TSAN_OPTIONS="suppressions=$here/tests/tsan.supp:allocator_may_return_null=1:halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1"
+# A suite's name is where a test's name begins, or after the instance's
+# name and a slash for a parameterized one (ApplyThreads/PushModelTest.x).
 # One test measures the shard's resident memory, which under TSan is mostly
 # its shadow and its allocator's caches (32-63 MB where the plain and ASan
 # passes hold a 24 and a 48 MB bound): left to those passes.
 ctest --test-dir "$BUILD_DIR" --output-on-failure -j"$JOBS" --timeout 900 --no-tests=error \
-  -R "^($(IFS='|'; echo "${suites[*]}"))\\." -E 'PullOfManyRangesCostsTheShardAboutItsBytes' "$@"
+  -R "(^|/)($(IFS='|'; echo "${suites[*]}"))\\." -E 'PullOfManyRangesCostsTheShardAboutItsBytes' "$@"
