@@ -70,14 +70,14 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
     }
     if (wait_for) {
       wait_for(wait);
-      // A wait that overran (a late timer) must not start an attempt past
-      // the window either.
-      if (absl::FromChrono(std::chrono::steady_clock::now() - first) > options.retry_window) {
-        past_window = true;
-        break;
-      }
     } else {
       absl::SleepFor(wait);
+    }
+    // A wait that overran (a late timer) must not start an attempt past the
+    // window either.
+    if (absl::FromChrono(std::chrono::steady_clock::now() - first) > options.retry_window) {
+      past_window = true;
+      break;
     }
   }
   std::string why;

@@ -62,7 +62,8 @@ class Backoff {
 // per Backoff between attempts, by sleeping or, where given, by calling
 // `wait_for` with the backoff (a gRPC client watches its channels there, so
 // that their reconnection goes on meanwhile; it should return after about
-// that long, and no attempt starts if it returned past `retry_window`). The
+// that long). No attempt starts past `retry_window`, checked before each
+// wait and after it. The
 // final error says how many attempts were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
                        const std::function<void(absl::Duration)>& wait_for = nullptr);

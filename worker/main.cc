@@ -151,11 +151,10 @@ int main(int argc, char** argv) {
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
       "worker/main.cc");
   // A run refused by the flag parser (an unknown flag, a value that is not
-  // a number) fails too: the summary is looked up on the command line, since
-  // the flags are not parsed.
+  // a number) fails too, and removes the earlier summary: its path as far as
+  // the flags were parsed (a --flagfile's too), else as the command line
+  // gives it.
   psflow::ParseFlagsOrExit(argc, argv, "worker", [argc, argv] {
-    // Set where the flags were parsed (a --flagfile's too), else as the
-    // command line gives it.
     std::string path = absl::GetFlag(FLAGS_summary_json);
     if (path.empty()) path = psflow::CommandLineValue(argc, argv, "summary_json").value_or("");
     if (!path.empty()) ForgetEarlierSummary(path);
