@@ -63,8 +63,7 @@ class Backoff {
 // `wait_for` with the backoff (a gRPC client watches its channels there, so
 // that their reconnection goes on meanwhile; it should return after about
 // that long). No attempt starts past `retry_window`, checked before each
-// wait and after it. The
-// final error says how many attempts were made.
+// wait and after it. The final error says how many attempts were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
                        const std::function<void(absl::Duration)>& wait_for = nullptr);
 
