@@ -24,9 +24,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "common/grpc_wire.h"
 #include "gmock/gmock.h"
@@ -2033,6 +2035,108 @@ TEST_F(PsClusterTest, ShardThatRestartedIsRefusedNotMixedWithTrainedOnes) {
   EXPECT_EQ((*statuses)[1].rejected_requests(), 1);
   ASSERT_EQ((*statuses)[0].parts_size(), 1);
   EXPECT_EQ((*statuses)[0].parts(0).version(), 2);
+}
+
+// Holds the first GetStatus call that reaches any of the shards before its
+// handler runs, until Release(); every later call passes, and those that
+// end are counted.
+class HoldFirstStatus : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  struct State {
+    absl::Mutex mu;
+    bool taken = false;     // a call is (or was) held
+    bool released = false;  // the held call may go on
+    int ended = 0;          // GetStatus calls that passed and sent their status
+    void Release() {
+      absl::MutexLock lock(&mu);
+      released = true;
+    }
+  };
+  explicit HoldFirstStatus(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    if (std::string(info->method()) != "/psflow.ParameterServer/GetStatus") return nullptr;
+    return new Hold(state_);
+  }
+
+ private:
+  class Hold : public grpc::experimental::Interceptor {
+   public:
+    explicit Hold(std::shared_ptr<State> state) : state_(std::move(state)) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+      using grpc::experimental::InterceptionHookPoints;
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::POST_RECV_MESSAGE)) {
+        absl::MutexLock lock(&state_->mu);
+        if (!state_->taken) {
+          state_->taken = held_ = true;
+          state_->mu.Await(absl::Condition(&state_->released));
+        }
+      }
+      if (methods->QueryInterceptionHookPoint(InterceptionHookPoints::PRE_SEND_STATUS) && !held_) {
+        absl::MutexLock lock(&state_->mu);
+        ++state_->ended;
+      }
+      methods->Proceed();
+    }
+
+   private:
+    std::shared_ptr<State> state_;
+    bool held_ = false;
+  };
+  std::shared_ptr<State> state_;
+};
+
+// A worker that waits for the model asks every shard at once, but the
+// answers may come seconds apart. One shard's "no parts yet", answered
+// before the chief registered, next to another's "trained", answered after
+// the chief's first push, is a healthy start, not a restart: the worker
+// must go on waiting and then train, not stop saying a shard lost its
+// variables. (It compares a shard's "none" only with "trained" answers of
+// an earlier round.)
+TEST_F(PsClusterTest, WaitingWorkerTakesAnswersOfTwoMomentsForNoRestart) {
+  auto hold = std::make_shared<HoldFirstStatus::State>();
+  // Released however the test ends, so that no server thread stays held.
+  absl::Cleanup release = [&] { hold->Release(); };
+  interceptors_ = [&] {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+    v.push_back(std::make_unique<HoldFirstStatus>(hold));
+    return v;
+  };
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};  // one on each shard
+  auto worker = Client(vars, 1 << 20, 256 * 1024, /*worker_id=*/1);
+  auto chief = Client(vars);
+  ASSERT_NE(worker, nullptr);
+  ASSERT_NE(chief, nullptr);
+
+  std::future<absl::Status> waited =
+      std::async(std::launch::async, [&] { return worker->WaitForVariables(absl::Seconds(30)); });
+  {
+    // The worker's first round: one shard's answer held before it is made,
+    // the other's sent (no parts: nothing is registered yet).
+    absl::MutexLock lock(&hold->mu);
+    ASSERT_TRUE(hold->mu.AwaitWithTimeout(
+        absl::Condition(
+            +[](HoldFirstStatus::State* s) { return s->taken && s->ended >= 1; }, hold.get()),
+        absl::Seconds(60)))
+        << "the worker asked no shard for its status";
+  }
+  // Meanwhile the chief registers and trains a step.
+  Tensors init = Make(vars, 1.0f), grads = Make(vars, 0.5f);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+  ASSERT_TRUE(chief->Push(grads.cptrs(), {1, 0}).ok());
+  // Now the held shard answers: trained (version 1).
+  hold->Release();
+  const absl::Status status = waited.get();
+  EXPECT_TRUE(status.ok()) << status;
+  Tensors out = Make(vars, 0.0f);
+  EXPECT_TRUE(worker->Pull(out.ptrs()).ok());
+  auto statuses = chief->GetStatus();
+  ASSERT_TRUE(statuses.ok()) << statuses.status();
+  for (const auto& shard : *statuses) {
+    ASSERT_EQ(shard.parts_size(), 1);
+    EXPECT_EQ(shard.parts(0).version(), 1);
+  }
 }
 
 // Variables of the same names and shapes do not make the same model (a
