@@ -61,7 +61,7 @@ FloatArray Allocate(int64_t n, float value) {
 // the same size share them (each update keeps the values finite). Triad uses
 // the first three as a, b, c in its own set.
 struct Arrays {
-  FloatArray a, b, c, d;
+  FloatArray a, b, c, d, e;  // e: a third optimizer slot (AMSGrad)
 };
 
 Arrays& GetArrays(const std::string& what, int64_t n) {
@@ -74,6 +74,7 @@ Arrays& GetArrays(const std::string& what, int64_t n) {
     arr.b = Allocate(n, 0.0f);
     arr.c = Allocate(n, 0.0f);
     arr.d = Allocate(n, 0.0f);
+    arr.e = Allocate(n, 0.0f);
     for (int64_t i = 0; i < n; ++i) {
       arr.d[i] = static_cast<float>((i * 2654435761u) % 2001u) / 1000.0f - 1.0f;  // in [-1, 1]
     }
@@ -111,33 +112,68 @@ void BM_Triad(benchmark::State& state) {
   SetCounters(state, hi - lo, 12);
 }
 
-std::unique_ptr<Optimizer> MakeOptimizer(OptimizerOptions::Kind kind, float momentum) {
+OptimizerOptions Options(OptimizerOptions::Kind kind, float momentum) {
   OptimizerOptions o;
   o.kind = kind;
   o.momentum = momentum;
-  absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(o);
-  if (!opt.ok()) std::abort();
-  return *std::move(opt);
+  return o;
 }
 
-void RunOptimizer(benchmark::State& state, OptimizerOptions::Kind kind, float momentum,
-                  int64_t bytes_per_element) {
+// `call` > 0: Apply on that many elements at a time, as the shard applies
+// a segment one lock stripe (64K elements) at a time.
+void RunOptimizer(benchmark::State& state, const OptimizerOptions& options,
+                  int64_t bytes_per_element, int64_t call = 0) {
   const int64_t n = state.range(0);
   Arrays& arr = GetArrays("optimizer", n);
-  const std::unique_ptr<Optimizer> opt = MakeOptimizer(kind, momentum);
+  absl::StatusOr<std::unique_ptr<Optimizer>> made = Optimizer::Create(options);
+  if (!made.ok()) std::abort();
+  const std::unique_ptr<Optimizer> opt = *std::move(made);
   const auto [lo, hi] = Slice(state, n);
-  float* slots[] = {arr.b.get() + lo, arr.c.get() + lo};
-  if (kind == OptimizerOptions::Kind::kAdagrad) std::fill(slots[0], slots[0] + (hi - lo), 0.1f);
+  float* slots[] = {arr.b.get() + lo, arr.c.get() + lo, arr.e.get() + lo};
+  if (options.kind == OptimizerOptions::Kind::kAdagrad) {
+    std::fill(slots[0], slots[0] + (hi - lo), 0.1f);
+  }
+  if (call <= 0) call = hi - lo;
   int64_t step = 0;
   for (auto _ : state) {
-    opt->Apply(++step, arr.a.get() + lo, slots, arr.d.get() + lo, hi - lo);
+    ++step;
+    for (int64_t at = lo; at < hi; at += call) {
+      const int64_t k = std::min(call, hi - at);
+      float* at_slots[] = {slots[0] + (at - lo), slots[1] + (at - lo), slots[2] + (at - lo)};
+      opt->Apply(step, arr.a.get() + at, at_slots, arr.d.get() + at, k);
+    }
     benchmark::ClobberMemory();
   }
   SetCounters(state, hi - lo, bytes_per_element);
 }
 
+void RunOptimizer(benchmark::State& state, OptimizerOptions::Kind kind, float momentum,
+                  int64_t bytes_per_element) {
+  RunOptimizer(state, Options(kind, momentum), bytes_per_element);
+}
+
+constexpr int64_t kStripe = int64_t{1} << 16;  // the shard's lock stripe
+
 void BM_Adam(benchmark::State& state) {
   RunOptimizer(state, OptimizerOptions::Kind::kAdam, 0.0f, 28);
+}
+// The same in the shard's stripe-sized calls, against which the two below
+// compare.
+void BM_AdamStripes(benchmark::State& state) {
+  RunOptimizer(state, Options(OptimizerOptions::Kind::kAdam, 0), 28, kStripe);
+}
+// AdamW: the weight decay's own pass over each stripe's parameters finds
+// them in cache, so the bytes from memory are Adam's.
+void BM_AdamWStripes(benchmark::State& state) {
+  OptimizerOptions o = Options(OptimizerOptions::Kind::kAdam, 0);
+  o.weight_decay = 0.004;
+  RunOptimizer(state, o, 28, kStripe);
+}
+// AMSGrad reads and writes v_hat too: 36 bytes an element.
+void BM_AmsgradStripes(benchmark::State& state) {
+  OptimizerOptions o = Options(OptimizerOptions::Kind::kAdam, 0);
+  o.amsgrad = true;
+  RunOptimizer(state, o, 36, kStripe);
 }
 void BM_SgdPlain(benchmark::State& state) {  // reads p, g; writes p
   RunOptimizer(state, OptimizerOptions::Kind::kSgd, 0.0f, 12);
@@ -173,6 +209,9 @@ BENCHMARK(BM_NonFiniteScan)
     ->Args({kModelSize, 2})
     ->UseRealTime();
 BENCHMARK(BM_Adam)->Arg(kOutOfCache)->Arg(kModelSize)->Threads(1)->Threads(2)->UseRealTime();
+BENCHMARK(BM_AdamStripes)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
+BENCHMARK(BM_AdamWStripes)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
+BENCHMARK(BM_AmsgradStripes)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdPlain)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_Adagrad)->Arg(kOutOfCache)->Threads(1)->UseRealTime();

@@ -47,7 +47,9 @@ ABSL_FLAG(std::optional<int>, num_shards, std::nullopt,
           "Number of PS shards (default: the ps list of TF_CONFIG / --ps_hosts, else 1; when "
           "given with a ps list, it must agree).");
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
-ABSL_FLAG(std::string, optimizer, "adam", "Optimizer applied to pushed gradients: adam|sgd|adagrad.");
+ABSL_FLAG(std::string, optimizer, "adam",
+          "Optimizer applied to pushed gradients: adam|adamw|sgd|adagrad (adamw: adam with "
+          "--weight_decay defaulting to 0.004, as Keras' AdamW).");
 ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
           "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
           "0.001 for adam and adagrad).");
@@ -66,6 +68,16 @@ ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7)
 ABSL_FLAG(double, momentum, 0.0, "SGD: momentum (0 = plain SGD).");
 ABSL_FLAG(bool, nesterov, false, "SGD: Nesterov momentum.");
 ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator value.");
+ABSL_FLAG(bool, amsgrad, false,
+          "Adam: divide by the largest second moment seen (AMSGrad; a third slot per element).");
+ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
+          "Decoupled weight decay, every optimizer: before each update a variable is "
+          "multiplied by (1 - weight_decay * learning_rate), as Keras' weight_decay (default: "
+          "0.004 for adamw, else none).");
+ABSL_FLAG(std::vector<std::string>, exclude_from_weight_decay, {},
+          "Variables not decayed: comma-separated regular expressions, each searched in the "
+          "variable's name (e.g. bias to leave every bias alone), as Keras' "
+          "exclude_from_weight_decay(var_names=...).");
 ABSL_FLAG(int, threads, 0,
           "Most calls that register, pull or push served at once (0 = no limit); more wait "
           "their turn, in arrival order, until their deadline, rather than fail. GetStatus and "
@@ -122,9 +134,10 @@ void WarnAboutUnreadFlags(const std::string& optimizer, const std::string& sched
     std::vector<std::string> readers;
   };
   const Reader readers[] = {
-      {"beta_1", "optimizer", {"adam"}},
-      {"beta_2", "optimizer", {"adam"}},
-      {"epsilon", "optimizer", {"adam", "adagrad"}},
+      {"beta_1", "optimizer", {"adam", "adamw"}},
+      {"beta_2", "optimizer", {"adam", "adamw"}},
+      {"epsilon", "optimizer", {"adam", "adamw", "adagrad"}},
+      {"amsgrad", "optimizer", {"adam", "adamw"}},
       {"momentum", "optimizer", {"sgd"}},
       {"nesterov", "optimizer", {"sgd"}},
       {"initial_accumulator_value", "optimizer", {"adagrad"}},
@@ -163,9 +176,9 @@ int Fail(const absl::Status& status) {
 absl::StatusOr<PsServerOptions> BuildOptions() {
   PsServerOptions options;
   psflow::server::OptimizerOptions& opt = options.store.optimizer;
-  auto kind = psflow::server::ParseOptimizerKind(absl::GetFlag(FLAGS_optimizer));
-  if (!kind.ok()) return kind.status();
-  opt.kind = *kind;
+  auto name = psflow::server::ParseOptimizerName(absl::GetFlag(FLAGS_optimizer));
+  if (!name.ok()) return name.status();
+  opt.kind = name->kind;
   opt.learning_rate = absl::GetFlag(FLAGS_learning_rate)
                           .value_or(psflow::server::DefaultLearningRate(opt.kind));
   auto schedule = psflow::server::ParseScheduleKind(absl::GetFlag(FLAGS_learning_rate_schedule));
@@ -181,6 +194,14 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.momentum = absl::GetFlag(FLAGS_momentum);
   opt.nesterov = absl::GetFlag(FLAGS_nesterov);
   opt.initial_accumulator_value = absl::GetFlag(FLAGS_initial_accumulator_value);
+  opt.amsgrad = absl::GetFlag(FLAGS_amsgrad);
+  opt.weight_decay = absl::GetFlag(FLAGS_weight_decay).value_or(name->default_weight_decay);
+  opt.exclude_from_weight_decay = absl::GetFlag(FLAGS_exclude_from_weight_decay);
+  if (!opt.exclude_from_weight_decay.empty() && opt.weight_decay == 0.0) {
+    std::fprintf(stderr,
+                 "ps_server: warning: --exclude_from_weight_decay is ignored: no weight decay "
+                 "(--weight_decay, or --optimizer=adamw)\n");
+  }
   WarnAboutUnreadFlags(absl::GetFlag(FLAGS_optimizer), absl::GetFlag(FLAGS_learning_rate_schedule));
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);
   options.store.allow_non_finite_gradients = absl::GetFlag(FLAGS_allow_non_finite_gradients);

@@ -8,12 +8,15 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <regex>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/kernel_clones.h"
 
@@ -47,6 +50,32 @@ void AdamKernel(float* __restrict p, float* __restrict m, float* __restrict v,
     v[i] = vi;
     p[i] -= (mi * alpha) / (std::sqrt(vi) + epsilon);
   }
+}
+
+// Adam with AMSGrad: the update divides by the largest second moment seen
+// (Keras: v_hat = maximum(v_hat, v), then v_hat in v's place).
+PSFLOW_KERNEL_CLONES
+void AmsgradKernel(float* __restrict p, float* __restrict m, float* __restrict v,
+                   float* __restrict v_hat, const char* __restrict g, int64_t n, float alpha,
+                   float one_minus_beta_1, float one_minus_beta_2, float epsilon) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = LoadFloat(g, i);
+    const float mi = m[i] + (gi - m[i]) * one_minus_beta_1;
+    const float vi = v[i] + (gi * gi - v[i]) * one_minus_beta_2;
+    // As TensorFlow's maximum, a NaN on either side gives NaN (only where
+    // NaN gradients are allowed).
+    const float hi = (vi > v_hat[i] || vi != vi) ? vi : v_hat[i];
+    m[i] = mi;
+    v[i] = vi;
+    v_hat[i] = hi;
+    p[i] -= (mi * alpha) / (std::sqrt(hi) + epsilon);
+  }
+}
+
+// Keras 3's weight decay, before the update: p = p - p * wd * lr.
+PSFLOW_KERNEL_CLONES
+void WeightDecayKernel(float* __restrict p, int64_t n, float wd, float lr) {
+  for (int64_t i = 0; i < n; ++i) p[i] = p[i] - p[i] * wd * lr;
 }
 
 PSFLOW_KERNEL_CLONES
@@ -135,14 +164,32 @@ std::string ScheduleSuffix(const LearningRateSchedule& s) {
   return ", schedule=unknown";
 }
 
+// ", weight_decay=..." (with the excluded patterns) when the optimizer decays.
+std::string WeightDecaySuffix(const OptimizerOptions& o) {
+  if (o.weight_decay == 0.0) return "";
+  std::string out = absl::StrFormat(", weight_decay=%g", o.weight_decay);
+  if (!o.exclude_from_weight_decay.empty()) {
+    absl::StrAppend(&out, ", exclude_from_weight_decay=[",
+                    absl::StrJoin(o.exclude_from_weight_decay, ", "), "]");
+  }
+  return out;
+}
+
+// Keras 3 decays each variable before its update, with the same learning
+// rate (ops.cast of weight_decay, a Python float, rounds it to float32).
+void DecayWeights(const OptimizerOptions& o, float* param, int64_t n, float lr) {
+  if (o.weight_decay != 0.0) WeightDecayKernel(param, n, static_cast<float>(o.weight_decay), lr);
+}
+
 class Adam final : public Optimizer {
  public:
   explicit Adam(const OptimizerOptions& o) : o_(o) {}
-  int num_slots() const override { return 2; }
+  int num_slots() const override { return o_.amsgrad ? 3 : 2; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
-    return absl::StrFormat("adam(learning_rate=%g, beta_1=%g, beta_2=%g, epsilon=%g%s)",
+    return absl::StrFormat("adam(learning_rate=%g, beta_1=%g, beta_2=%g, epsilon=%g%s%s%s)",
                            o_.learning_rate, o_.beta_1, o_.beta_2, o_.epsilon,
+                           o_.amsgrad ? ", amsgrad=true" : "", WeightDecaySuffix(o_),
                            ScheduleSuffix(o_.schedule));
   }
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
@@ -159,8 +206,17 @@ class Adam final : public Optimizer {
     const float beta_2_power = std::pow(static_cast<float>(o_.beta_2), t);
     const float lr = ScheduledRateAsFloat(o_, step);
     const float alpha = lr * std::sqrt(1.0f - beta_2_power) / (1.0f - beta_1_power);
-    AdamKernel(param, slots[0], slots[1], grad, n, alpha, static_cast<float>(1.0 - o_.beta_1),
-               static_cast<float>(1.0 - o_.beta_2), static_cast<float>(o_.epsilon));
+    DecayWeights(o_, param, n, lr);
+    const float one_minus_beta_1 = static_cast<float>(1.0 - o_.beta_1);
+    const float one_minus_beta_2 = static_cast<float>(1.0 - o_.beta_2);
+    const float epsilon = static_cast<float>(o_.epsilon);
+    if (o_.amsgrad) {
+      AmsgradKernel(param, slots[0], slots[1], slots[2], grad, n, alpha, one_minus_beta_1,
+                    one_minus_beta_2, epsilon);
+    } else {
+      AdamKernel(param, slots[0], slots[1], grad, n, alpha, one_minus_beta_1, one_minus_beta_2,
+                 epsilon);
+    }
   }
 
  private:
@@ -173,8 +229,8 @@ class Sgd final : public Optimizer {
   int num_slots() const override { return o_.momentum > 0.0 ? 1 : 0; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
-    return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s%s)", o_.learning_rate,
-                           o_.momentum, o_.nesterov ? "true" : "false",
+    return absl::StrFormat("sgd(learning_rate=%g, momentum=%g, nesterov=%s%s%s)", o_.learning_rate,
+                           o_.momentum, o_.nesterov ? "true" : "false", WeightDecaySuffix(o_),
                            ScheduleSuffix(o_.schedule));
   }
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
@@ -183,6 +239,7 @@ class Sgd final : public Optimizer {
     const char* grad = static_cast<const char*>(grad_data);
     const float lr = ScheduledRateAsFloat(o_, step);
     const float momentum = static_cast<float>(o_.momentum);
+    DecayWeights(o_, param, n, lr);
     if (o_.momentum == 0.0) {
       // Keras skips the momentum slot entirely here, nesterov or not.
       SgdKernel(param, grad, n, lr);
@@ -205,16 +262,18 @@ class Adagrad final : public Optimizer {
     return static_cast<float>(o_.initial_accumulator_value);
   }
   std::string DebugString() const override {
-    return absl::StrFormat("adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g%s)",
-                           o_.learning_rate, o_.initial_accumulator_value, o_.epsilon,
-                           ScheduleSuffix(o_.schedule));
+    return absl::StrFormat(
+        "adagrad(learning_rate=%g, initial_accumulator_value=%g, epsilon=%g%s%s)", o_.learning_rate,
+        o_.initial_accumulator_value, o_.epsilon, WeightDecaySuffix(o_),
+        ScheduleSuffix(o_.schedule));
   }
   void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
              int64_t n) const override {
     const FlushDenormalsScope flush_denormals;
     const char* grad = static_cast<const char*>(grad_data);
-    AdagradKernel(param, slots[0], grad, n, ScheduledRateAsFloat(o_, step),
-                  static_cast<float>(o_.epsilon));
+    const float lr = ScheduledRateAsFloat(o_, step);
+    DecayWeights(o_, param, n, lr);
+    AdagradKernel(param, slots[0], grad, n, lr, static_cast<float>(o_.epsilon));
   }
 
  private:
@@ -279,9 +338,25 @@ absl::Status ValidateSchedule(const LearningRateSchedule& s) {
   return absl::OkStatus();
 }
 
+// Each pattern compiles as an ECMAScript regular expression.
+absl::Status CheckExcludePatterns(const std::vector<std::string>& patterns) {
+  for (const std::string& pattern : patterns) {
+    try {
+      std::regex compiled(pattern, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "optimizer option exclude_from_weight_decay (--exclude_from_weight_decay): \"", pattern,
+          "\" is not a valid regular expression (", e.what(), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Validate(const OptimizerOptions& o) {
   if (absl::Status s = CheckPositive("learning_rate", o.learning_rate); !s.ok()) return s;
   if (absl::Status s = ValidateSchedule(o.schedule); !s.ok()) return s;
+  if (absl::Status s = CheckNonNegative("weight_decay", o.weight_decay); !s.ok()) return s;
+  if (absl::Status s = CheckExcludePatterns(o.exclude_from_weight_decay); !s.ok()) return s;
   switch (o.kind) {
     case OptimizerOptions::Kind::kAdam:
       if (absl::Status s = CheckBeta("beta_1", o.beta_1); !s.ok()) return s;
@@ -308,6 +383,27 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name)
   return absl::InvalidArgumentError(absl::StrCat(
       "unknown optimizer \"", absl::string_view(name.data(), name.size()),
       "\"; expected one of: adam, sgd, adagrad"));
+}
+
+absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name) {
+  if (name == "adamw") return OptimizerName{OptimizerOptions::Kind::kAdam, 0.004};
+  auto kind = ParseOptimizerKind(name);
+  if (!kind.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown optimizer \"", absl::string_view(name.data(), name.size()),
+                     "\"; expected one of: adam, adamw, sgd, adagrad"));
+  }
+  return OptimizerName{*kind, 0.0};
+}
+
+bool DecaysVariable(const OptimizerOptions& options, std::string_view name) {
+  if (options.weight_decay == 0.0) return false;
+  for (const std::string& pattern : options.exclude_from_weight_decay) {
+    if (std::regex_search(name.begin(), name.end(), std::regex(pattern, std::regex::ECMAScript))) {
+      return false;
+    }
+  }
+  return true;
 }
 
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {

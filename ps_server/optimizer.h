@@ -14,8 +14,15 @@
 //            otherwise:      m = momentum * m - lr * g
 //                            nesterov: p += momentum * m - lr * g
 //                            else:     p += m
+//            amsgrad: v_hat = max(v_hat, v), and v_hat in place of v in p's
+//            update (v itself goes on as above)
 //   Adagrad: acc += g * g
 //            p -= lr * g / sqrt(acc + epsilon)
+//
+// Weight decay (Keras 3's weight_decay, which every optimizer takes, and
+// AdamW's): before the rule above, p = p - p * wd * lr, each product
+// rounded to float32, with the same (scheduled) lr, on the variables whose
+// names no pattern of exclude_from_weight_decay is found in.
 //
 // As TensorFlow runs its CPU kernels, Apply flushes denormal results to zero
 // and reads denormal inputs as zero (and restores the thread's mode after),
@@ -47,6 +54,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 
@@ -87,11 +95,34 @@ struct OptimizerOptions {
   bool nesterov = false;
   // Adagrad's starting accumulator value; finite and >= 0, also in float32.
   double initial_accumulator_value = 0.1;
+  // Adam: keep the largest second moment seen (AMSGrad), a third slot.
+  bool amsgrad = false;
+  // Decoupled weight decay, all kinds; finite and >= 0, also in float32
+  // (0: none). Keras's AdamW is Adam with 0.004 (see ParseOptimizerName).
+  double weight_decay = 0.0;
+  // Regular expressions (ECMAScript, searched anywhere in the name, as
+  // Keras's exclude_from_weight_decay(var_names=...) searches with Python's
+  // re): variables whose name one of them is found in are not decayed.
+  std::vector<std::string> exclude_from_weight_decay;
 };
 
 // "adam", "sgd" or "adagrad" (exact, lower case). INVALID_ARGUMENT otherwise,
 // with a message listing the choices.
 absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name);
+
+// What --optimizer names: a kind, or "adamw", which is Adam whose weight
+// decay defaults to Keras AdamW's 0.004 (its kind is kAdam). INVALID_ARGUMENT
+// listing the choices otherwise.
+struct OptimizerName {
+  OptimizerOptions::Kind kind;
+  double default_weight_decay = 0.0;
+};
+absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name);
+
+// Whether the optimizer decays the variable `name` (weight_decay > 0 and no
+// pattern of exclude_from_weight_decay found in it). The patterns must be
+// valid (Optimizer::Create checks them).
+bool DecaysVariable(const OptimizerOptions& options, std::string_view name);
 
 // Returns the lower-case name ParseOptimizerKind accepts for `kind`.
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
@@ -120,14 +151,16 @@ class Optimizer {
 
   virtual ~Optimizer();
 
-  // Number of slot arrays per parameter: Adam 2 (m, v); SGD 1 (momentum) if
-  // momentum > 0, else 0; Adagrad 1 (accumulator).
+  // Number of slot arrays per parameter: Adam 2 (m, v), 3 with amsgrad (m,
+  // v, v_hat); SGD 1 (momentum) if momentum > 0, else 0; Adagrad 1
+  // (accumulator). Weight decay needs none.
   virtual int num_slots() const = 0;
   // The value each element of slot `slot` must start at: Adagrad's
   // initial_accumulator_value, 0 otherwise. 0 <= slot < num_slots().
   virtual float slot_initial_value(int slot) const = 0;
   // E.g. "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)",
-  // with ", schedule=cosine(decay_steps=2814, alpha=0)" when one is set.
+  // with ", amsgrad=true", ", weight_decay=0.004" (and the patterns it
+  // excludes) and ", schedule=cosine(decay_steps=2814, alpha=0)" when set.
   virtual std::string DebugString() const = 0;
 
   // Applies one update to `n` contiguous elements, in place.

@@ -381,13 +381,22 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
   }
   PSFLOW_ASSIGN_OR_RETURN(std::unique_ptr<Optimizer> optimizer,
                           Optimizer::Create(options.optimizer));
-  return std::unique_ptr<VariableStore>(new VariableStore(options, std::move(optimizer)));
+  std::unique_ptr<Optimizer> undecayed;
+  if (options.optimizer.weight_decay != 0.0) {
+    OptimizerOptions without = options.optimizer;
+    without.weight_decay = 0.0;
+    PSFLOW_ASSIGN_OR_RETURN(undecayed, Optimizer::Create(without));
+  }
+  return std::unique_ptr<VariableStore>(
+      new VariableStore(options, std::move(optimizer), std::move(undecayed)));
 }
 
 VariableStore::VariableStore(const VariableStoreOptions& options,
-                             std::unique_ptr<Optimizer> optimizer)
+                             std::unique_ptr<Optimizer> optimizer,
+                             std::unique_ptr<Optimizer> undecayed_optimizer)
     : options_(options),
       optimizer_(std::move(optimizer)),
+      undecayed_optimizer_(std::move(undecayed_optimizer)),
       values_pool_(std::make_shared<ValuesPool>()),
       max_variable_bytes_(options.max_variable_bytes > 0 ? options.max_variable_bytes
                           : options.max_variable_bytes == 0
@@ -415,6 +424,10 @@ std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition
         new SharedValues(params->data() + begin, std::min(kLockStripeElements, n - begin), params);
   }
   part->slots = std::move(slots);
+  part->optimizer =
+      undecayed_optimizer_ != nullptr && !DecaysVariable(options_.optimizer, def.variable)
+          ? undecayed_optimizer_.get()
+          : optimizer_.get();
   return part;
 }
 
@@ -922,7 +935,7 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
       // home if the last pull of home let go meanwhile.
       ForEachStripe(begin, end, [&](int64_t stripe, int64_t at, int64_t n) {
         float* params = store_->WritableValues(*part, stripe) + (at - stripe * kLockStripeElements);
-        store_->optimizer_->Apply(step, params, slots, grad, n);
+        part->optimizer->Apply(step, params, slots, grad, n);
         for (size_t i = 0; i < part->slots.size(); ++i) slots[i] += n;
         grad += 4 * n;
       });

@@ -191,6 +191,9 @@ class VariableStore {
     const std::unique_ptr<absl::Mutex[]> stripes;
     std::unique_ptr<StripeValues[]> params;  // one per stripe
     std::vector<FloatBuffer> slots;
+    // The store's optimizer, or its copy without weight decay for a
+    // variable excluded from it (set before the part is visible).
+    const Optimizer* optimizer = nullptr;
     // Dense, in the order parts were added (set before the part is
     // visible; never changes): its bit in a LedgerEntry's `complete`.
     int64_t index = 0;
@@ -380,7 +383,8 @@ class VariableStore {
 
  private:
   class StripeLock;
-  VariableStore(const VariableStoreOptions& options, std::unique_ptr<Optimizer> optimizer);
+  VariableStore(const VariableStoreOptions& options, std::unique_ptr<Optimizer> optimizer,
+                std::unique_ptr<Optimizer> undecayed_optimizer);
   absl::StatusOr<Part*> FindPart(absl::string_view variable) const;
   std::unique_ptr<Part> NewPart(const PartDefinition& def) const;
   std::shared_ptr<LedgerEntry> LedgerFor(uint64_t request_id);
@@ -405,6 +409,9 @@ class VariableStore {
 
   const VariableStoreOptions options_;
   const std::unique_ptr<Optimizer> optimizer_;
+  // The same without weight decay, for the variables excluded from it; null
+  // when the optimizer decays none.
+  const std::unique_ptr<Optimizer> undecayed_optimizer_;
   // Buffers for stripes copied on write; shared with the copies, which may
   // outlive the store in a pull that gRPC is still sending.
   const std::shared_ptr<ValuesPool> values_pool_;

@@ -457,6 +457,42 @@ TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
   EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("--beta_1 is ignored")));
 }
 
+// --optimizer=adamw is Adam with Keras AdamW's weight decay, and the shard's
+// first line says what it applies; AMSGrad and the exclusions are warned
+// about where nothing reads them.
+TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
+  struct Run {
+    std::vector<std::string> flags;
+    std::vector<std::string> said;
+  };
+  const Run runs[] = {
+      {{"--optimizer=adamw", "--amsgrad", "--exclude_from_weight_decay=bias,norm"},
+       {"optimizer adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+        "amsgrad=true, weight_decay=0.004, exclude_from_weight_decay=[bias, norm])"}},
+      {{"--optimizer=sgd", "--amsgrad", "--exclude_from_weight_decay=bias"},
+       {"--amsgrad is ignored: only --optimizer=adam|adamw reads it, and it is sgd",
+        "--exclude_from_weight_decay is ignored: no weight decay", "optimizer sgd("}},
+  };
+  for (const Run& run : runs) {
+    SCOPED_TRACE(absl::StrJoin(run.flags, " "));
+    const std::string log = dir_ + "/ps.log";
+    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--port=0"};
+    argv.insert(argv.end(), run.flags.begin(), run.flags.end());
+    const pid_t pid = Start(argv, "", log);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+    ::kill(pid, SIGTERM);
+    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+    const std::string text = ReadFile(log);
+    for (const std::string& said : run.said) EXPECT_THAT(text, ::testing::HasSubstr(said));
+  }
+  // A pattern that is no regular expression stops the shard, named.
+  const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=0", "--weight_decay=0.1",
+                                     "--exclude_from_weight_decay=dense/(kernel"});
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_THAT(out, ::testing::HasSubstr("\"dense/(kernel\" is not a valid regular expression"));
+}
+
 // SIGTERM lets the calls in progress finish (5 s of grace); a second one
 // ends the shard at once, as a second Ctrl-C is meant to (it was ignored).
 TEST_F(MultiProcessTest, SecondSignalEndsTheShutdownAtOnce) {

@@ -51,6 +51,16 @@ CASES = [
     ("adagrad_default", lambda: keras.optimizers.Adagrad(learning_rate=0.1), 0),
     ("adagrad_custom", lambda: keras.optimizers.Adagrad(
         learning_rate=0.1, initial_accumulator_value=0.0, epsilon=1e-4), 0),
+    # beta_2 = 0.5 lets v fall between steps, where v_hat keeps its maximum.
+    ("adam_amsgrad", lambda: keras.optimizers.Adam(
+        learning_rate=0.01, beta_2=0.5, amsgrad=True), 0),
+    ("adamw_default", lambda: keras.optimizers.AdamW(), 0),
+    ("adamw_custom", lambda: keras.optimizers.AdamW(
+        learning_rate=0.01, weight_decay=0.1, beta_2=0.5, amsgrad=True), 0),
+    ("sgd_momentum_decay", lambda: keras.optimizers.SGD(
+        learning_rate=0.05, momentum=0.9, weight_decay=0.1), 0),
+    ("adagrad_decay", lambda: keras.optimizers.Adagrad(
+        learning_rate=0.1, weight_decay=0.1), 0),
 ]
 
 

@@ -39,20 +39,29 @@ using Reference = std::function<void(const OptimizerOptions&, int64_t step, std:
                                      std::vector<std::vector<double>>& slots,
                                      const std::vector<double>& g)>;
 
+// Keras 3's decoupled weight decay, before every optimizer's update.
+void DecayReference(const OptimizerOptions& o, std::vector<double>& p) {
+  for (double& x : p) x -= x * o.weight_decay * o.learning_rate;
+}
+
 void AdamReference(const OptimizerOptions& o, int64_t step, std::vector<double>& p,
                    std::vector<std::vector<double>>& s, const std::vector<double>& g) {
   const double b1 = o.beta_1, b2 = o.beta_2, t = static_cast<double>(step);
   const double alpha = o.learning_rate * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t));
+  DecayReference(o, p);
   for (size_t i = 0; i < p.size(); ++i) {
     s[0][i] += (g[i] - s[0][i]) * (1 - b1);
     s[1][i] += (g[i] * g[i] - s[1][i]) * (1 - b2);
-    p[i] -= alpha * s[0][i] / (std::sqrt(s[1][i]) + o.epsilon);
+    double v = s[1][i];
+    if (o.amsgrad) v = s[2][i] = std::max(s[2][i], s[1][i]);
+    p[i] -= alpha * s[0][i] / (std::sqrt(v) + o.epsilon);
   }
 }
 
 void SgdReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
                   std::vector<std::vector<double>>& s, const std::vector<double>& g) {
   const double lr = o.learning_rate, mu = o.momentum;
+  DecayReference(o, p);
   for (size_t i = 0; i < p.size(); ++i) {
     if (mu == 0) {
       p[i] -= lr * g[i];
@@ -65,6 +74,7 @@ void SgdReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
 
 void AdagradReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
                       std::vector<std::vector<double>>& s, const std::vector<double>& g) {
+  DecayReference(o, p);
   for (size_t i = 0; i < p.size(); ++i) {
     s[0][i] += g[i] * g[i];
     p[i] -= o.learning_rate * g[i] / std::sqrt(s[0][i] + o.epsilon);
@@ -162,6 +172,19 @@ std::vector<Case> AllCases() {
   adagrad2.initial_accumulator_value = 0.0;
   adagrad2.epsilon = 1e-4;  // with acc0 = 0, epsilon is a visible share of acc
   cases.push_back({"adagrad_custom", adagrad2, AdagradReference, 1e-2});
+  OptimizerOptions amsgrad = adam2;
+  amsgrad.beta_2 = 0.5;  // v falls between steps: v_hat keeps its maximum
+  amsgrad.amsgrad = true;
+  cases.push_back({"adam_amsgrad", amsgrad, AdamReference});
+  OptimizerOptions adamw = amsgrad;
+  adamw.weight_decay = 0.5;  // large, so that a misplaced decay shows
+  cases.push_back({"adamw_amsgrad", adamw, AdamReference});
+  OptimizerOptions sgd_decay = momentum;
+  sgd_decay.weight_decay = 0.5;
+  cases.push_back({"sgd_momentum_decay", sgd_decay, SgdReference});
+  OptimizerOptions adagrad_decay = adagrad;
+  adagrad_decay.weight_decay = 0.5;
+  cases.push_back({"adagrad_decay", adagrad_decay, AdagradReference});
   return cases;
 }
 
@@ -206,11 +229,19 @@ OptimizerOptions GoldenOptions(const std::string& name) {
     o.beta_1 = 0.5;
     o.beta_2 = 0.9;
     o.epsilon = 1e-3;
+  } else if (name == "adam_amsgrad" || name == "adamw_custom") {
+    o.learning_rate = 0.01;
+    o.beta_2 = 0.5;
+    o.amsgrad = true;
+    if (name == "adamw_custom") o.weight_decay = 0.1;
+  } else if (name == "adamw_default") {
+    o.weight_decay = ParseOptimizerName("adamw")->default_weight_decay;
   } else if (name.rfind("sgd_", 0) == 0) {
     o.kind = Kind::kSgd;
     o.learning_rate = 0.05;
     if (name != "sgd_plain") o.momentum = 0.9;
     o.nesterov = name == "sgd_nesterov";
+    if (name == "sgd_momentum_decay") o.weight_decay = 0.1;
   } else if (name.rfind("adagrad_", 0) == 0) {
     o.kind = Kind::kAdagrad;
     o.learning_rate = 0.1;
@@ -218,6 +249,7 @@ OptimizerOptions GoldenOptions(const std::string& name) {
       o.initial_accumulator_value = 0.0;
       o.epsilon = 1e-4;
     }
+    if (name == "adagrad_decay") o.weight_decay = 0.1;
   } else {
     EXPECT_TRUE(name == "adam_default" || name == "adam_late") << "unknown golden case " << name;
   }
@@ -225,7 +257,7 @@ OptimizerOptions GoldenOptions(const std::string& name) {
 }
 
 TEST(OptimizerTest, EqualsKerasBitForBit) {
-  ASSERT_EQ(std::size(kGolden), 8u);
+  ASSERT_EQ(std::size(kGolden), 13u);
   for (const Golden& want : kGolden) {
     SCOPED_TRACE(want.name);
     std::unique_ptr<Optimizer> opt = MustCreate(GoldenOptions(want.name));
@@ -480,6 +512,72 @@ TEST(OptimizerTest, ParseOptimizerKind) {
   EXPECT_FALSE(ParseOptimizerKind("").ok());
 }
 
+TEST(OptimizerTest, ParseOptimizerNameTakesAdamWAsAdamWithKerasDecay) {
+  EXPECT_EQ(ParseOptimizerName("adamw")->kind, Kind::kAdam);
+  EXPECT_EQ(ParseOptimizerName("adamw")->default_weight_decay, 0.004);  // keras.optimizers.AdamW
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+    EXPECT_EQ(ParseOptimizerName(OptimizerKindName(k))->kind, k);
+    EXPECT_EQ(ParseOptimizerName(OptimizerKindName(k))->default_weight_decay, 0.0);
+  }
+  const absl::Status bad = ParseOptimizerName("AdamW").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.message(), HasSubstr("\"AdamW\"; expected one of: adam, adamw, sgd, adagrad"));
+}
+
+TEST(OptimizerTest, DebugStringNamesAmsgradAndWeightDecay) {
+  OptimizerOptions o;
+  o.amsgrad = true;
+  o.weight_decay = 0.004;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, amsgrad=true, "
+            "weight_decay=0.004)");
+  EXPECT_EQ(MustCreate(o)->num_slots(), 3);
+  o.kind = Kind::kSgd;
+  o.exclude_from_weight_decay = {"bias", "norm$"};
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "sgd(learning_rate=0.001, momentum=0, nesterov=false, weight_decay=0.004, "
+            "exclude_from_weight_decay=[bias, norm$])");
+}
+
+// As Keras's exclude_from_weight_decay(var_names=...): each pattern is
+// searched anywhere in the name, as a regular expression.
+TEST(OptimizerTest, DecaysVariableUnlessAPatternIsFoundInItsName) {
+  OptimizerOptions o;
+  o.exclude_from_weight_decay = {"bias", "^embed", "norm/(gamma|beta)$"};
+  EXPECT_FALSE(DecaysVariable(o, "dense/kernel")) << "no weight decay at all";
+  o.weight_decay = 0.1;
+  EXPECT_TRUE(DecaysVariable(o, "dense/kernel"));
+  EXPECT_FALSE(DecaysVariable(o, "dense/bias"));
+  EXPECT_FALSE(DecaysVariable(o, "embedding/table"));
+  EXPECT_TRUE(DecaysVariable(o, "word_embed/table")) << "^ anchors at the start";
+  EXPECT_FALSE(DecaysVariable(o, "layer_norm/gamma"));
+  EXPECT_TRUE(DecaysVariable(o, "layer_norm/gamma_2"));
+  o.exclude_from_weight_decay.clear();
+  EXPECT_TRUE(DecaysVariable(o, "dense/bias"));
+}
+
+// The decay uses the learning rate of the update, schedule and all: with a
+// zero gradient, SGD leaves only the decay, p * (1 - wd * lr(step)).
+TEST(OptimizerTest, WeightDecayFollowsTheScheduledLearningRate) {
+  OptimizerOptions o;
+  o.kind = Kind::kSgd;
+  o.learning_rate = 0.5;
+  o.weight_decay = 0.25;
+  o.schedule.kind = LearningRateSchedule::Kind::kExponential;
+  o.schedule.decay_steps = 1;
+  o.schedule.decay_rate = 0.5;  // lr 0.5, 0.25, 0.125 at steps 1, 2, 3
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  ASSERT_NE(opt, nullptr);
+  float p = 1.0f;
+  const float zero = 0.0f;
+  double want = 1.0;
+  for (int64_t step = 1; step <= 3; ++step) {
+    opt->Apply(step, &p, nullptr, &zero, 1);
+    want *= 1.0 - 0.25 * ScheduledLearningRate(o, step);
+  }
+  EXPECT_FLOAT_EQ(p, static_cast<float>(want));  // 0.875 * 0.9375 * 0.96875
+}
+
 void ExpectInvalid(const OptimizerOptions& o, const std::string& field, const std::string& range) {
   absl::StatusOr<std::unique_ptr<Optimizer>> opt = Optimizer::Create(o);
   ASSERT_FALSE(opt.ok()) << "accepted bad " << field;
@@ -530,6 +628,19 @@ TEST(OptimizerTest, RejectsBadOptions) {
     o.initial_accumulator_value = acc;
     ExpectInvalid(o, "initial_accumulator_value (--initial_accumulator_value)", ">= 0");
   }
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+    for (double wd : {-0.004, nan, inf, 1e300}) {
+      OptimizerOptions o;
+      o.kind = k;
+      o.weight_decay = wd;
+      ExpectInvalid(o, "weight_decay (--weight_decay)", ">= 0");
+    }
+  }
+  OptimizerOptions o;
+  o.weight_decay = 0.004;
+  o.exclude_from_weight_decay = {"bias", "dense/(kernel"};
+  ExpectInvalid(o, "exclude_from_weight_decay (--exclude_from_weight_decay): \"dense/(kernel\"",
+                "is not a valid regular expression");
 }
 
 TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {

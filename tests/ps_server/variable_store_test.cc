@@ -124,6 +124,34 @@ TEST(VariableStoreTest, ListsAPageOfPartsAfterAName) {
   EXPECT_EQ(store->ListParts("a", 1, &total, &remaining)[0].num_elements, 2);
 }
 
+// Weight decay reaches every part of a variable whose name no excluded
+// pattern is found in, and no part of the others (Keras's
+// exclude_from_weight_decay), the rows of a split variable included.
+TEST(VariableStoreTest, WeightDecaySkipsTheExcludedVariables) {
+  VariableStoreOptions options;
+  options.optimizer.kind = OptimizerOptions::Kind::kSgd;
+  options.optimizer.learning_rate = 0.5;
+  options.optimizer.weight_decay = 0.5;  // a decayed value goes 1 -> 0.75
+  options.optimizer.exclude_from_weight_decay = {"bias$"};
+  auto store = VariableStore::Create(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const PartDefinition kernel = Def("dense/kernel", {4, 2}, 2, 4);  // rows 2-3 of 4
+  const PartDefinition bias = Def("dense/bias", {2}, 0, 2);
+  const PartDefinition biased = Def("dense/bias_scale", {2}, 0, 2);  // "bias" not at the end
+  for (const PartDefinition& def : {kernel, bias, biased}) {
+    RegisterFilled(store->get(), def, 1.0f);
+  }
+  const float zeros[4] = {0, 0, 0, 0};
+  auto push = (*store)->BeginPush({1, 1, 0, 5});
+  ASSERT_TRUE(push->Apply("dense/kernel", 0, zeros, 4).ok());
+  ASSERT_TRUE(push->Apply("dense/bias", 0, zeros, 2).ok());
+  ASSERT_TRUE(push->Apply("dense/bias_scale", 0, zeros, 2).ok());
+  push->Finish(absl::OkStatus());
+  EXPECT_THAT(ReadAll(store->get(), "dense/kernel", 4), ::testing::Each(0.75f));
+  EXPECT_THAT(ReadAll(store->get(), "dense/bias", 2), ::testing::Each(1.0f));
+  EXPECT_THAT(ReadAll(store->get(), "dense/bias_scale", 2), ::testing::Each(0.75f));
+}
+
 TEST(VariableStoreTest, RegistrationBecomesVisibleOnlyAtCommit) {
   auto store = SgdStore();
   auto reg = store->BeginRegistration(7, 1, 0, {Def("w", {4}, 0, 4)});
