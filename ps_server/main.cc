@@ -23,6 +23,7 @@
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -54,14 +55,35 @@ ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
           "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
           "0.001 for adam and adagrad).");
 ABSL_FLAG(std::string, learning_rate_schedule, "constant",
-          "How the learning rate changes with the update count: constant|cosine|exponential "
-          "(Keras' CosineDecay and ExponentialDecay, counted per variable part).");
+          "How the learning rate changes with the update count: constant|cosine|exponential|"
+          "polynomial|inverse_time|piecewise_constant (Keras' CosineDecay, ExponentialDecay, "
+          "PolynomialDecay, InverseTimeDecay and PiecewiseConstantDecay, counted per variable "
+          "part).");
 ABSL_FLAG(int64_t, decay_steps, 0,
-          "cosine/exponential: updates over which the rate decays (required for those; the "
-          "launcher sets it from the planned steps of all workers).");
+          "cosine/exponential/polynomial/inverse_time: updates over which the rate decays "
+          "(required for those; the launcher sets it from the planned steps of all workers).");
 ABSL_FLAG(double, cosine_alpha, 0.0, "cosine: the final rate as a fraction of --learning_rate.");
-ABSL_FLAG(double, decay_rate, 0.96, "exponential: the factor per --decay_steps updates.");
-ABSL_FLAG(bool, staircase, false, "exponential: decay in whole steps of --decay_steps.");
+ABSL_FLAG(int64_t, warmup_steps, 0,
+          "cosine with --warmup_target: updates over which the rate rises linearly from "
+          "--learning_rate (which may be 0) to --warmup_target, before the decay.");
+ABSL_FLAG(std::optional<double>, warmup_target, std::nullopt,
+          "cosine: the rate the warmup reaches and the decay starts from (default: no warmup).");
+ABSL_FLAG(double, decay_rate, 0.96,
+          "exponential: the factor per --decay_steps updates; inverse_time: the rate is "
+          "--learning_rate / (1 + decay_rate * updates / --decay_steps).");
+ABSL_FLAG(bool, staircase, false,
+          "exponential/inverse_time: decay in whole steps of --decay_steps.");
+ABSL_FLAG(double, end_learning_rate, 0.0001, "polynomial: the rate reached at --decay_steps.");
+ABSL_FLAG(double, power, 1.0, "polynomial: the exponent of the decay (1 = linear).");
+ABSL_FLAG(bool, cycle, false,
+          "polynomial: after --decay_steps, decay again from --learning_rate over the next "
+          "multiple of --decay_steps.");
+ABSL_FLAG(std::vector<std::string>, piecewise_boundaries, {},
+          "piecewise_constant: comma-separated update counts at which the rate changes, "
+          "increasing.");
+ABSL_FLAG(std::vector<std::string>, piecewise_values, {},
+          "piecewise_constant: comma-separated rates, one more than --piecewise_boundaries (up "
+          "to the first boundary, between each two, after the last).");
 ABSL_FLAG(double, beta_1, 0.9, "Adam: decay of the first moment.");
 ABSL_FLAG(double, beta_2, 0.999, "Adam: decay of the second moment.");
 ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7).");
@@ -141,10 +163,19 @@ void WarnAboutUnreadFlags(const std::string& optimizer, const std::string& sched
       {"momentum", "optimizer", {"sgd"}},
       {"nesterov", "optimizer", {"sgd"}},
       {"initial_accumulator_value", "optimizer", {"adagrad"}},
-      {"decay_steps", "learning_rate_schedule", {"cosine", "exponential"}},
+      {"decay_steps",
+       "learning_rate_schedule",
+       {"cosine", "exponential", "polynomial", "inverse_time"}},
       {"cosine_alpha", "learning_rate_schedule", {"cosine"}},
-      {"decay_rate", "learning_rate_schedule", {"exponential"}},
-      {"staircase", "learning_rate_schedule", {"exponential"}},
+      {"warmup_steps", "learning_rate_schedule", {"cosine"}},
+      {"warmup_target", "learning_rate_schedule", {"cosine"}},
+      {"decay_rate", "learning_rate_schedule", {"exponential", "inverse_time"}},
+      {"staircase", "learning_rate_schedule", {"exponential", "inverse_time"}},
+      {"end_learning_rate", "learning_rate_schedule", {"polynomial"}},
+      {"power", "learning_rate_schedule", {"polynomial"}},
+      {"cycle", "learning_rate_schedule", {"polynomial"}},
+      {"piecewise_boundaries", "learning_rate_schedule", {"piecewise_constant"}},
+      {"piecewise_values", "learning_rate_schedule", {"piecewise_constant"}},
   };
   for (const Reader& r : readers) {
     if (!absl::flags_internal::WasPresentOnCommandLine(r.flag)) continue;
@@ -188,6 +219,41 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.schedule.alpha = absl::GetFlag(FLAGS_cosine_alpha);
   opt.schedule.decay_rate = absl::GetFlag(FLAGS_decay_rate);
   opt.schedule.staircase = absl::GetFlag(FLAGS_staircase);
+  opt.schedule.warmup_steps = absl::GetFlag(FLAGS_warmup_steps);
+  opt.schedule.warmup_target = absl::GetFlag(FLAGS_warmup_target);
+  opt.schedule.end_learning_rate = absl::GetFlag(FLAGS_end_learning_rate);
+  opt.schedule.power = absl::GetFlag(FLAGS_power);
+  opt.schedule.cycle = absl::GetFlag(FLAGS_cycle);
+  for (const std::string& b : absl::GetFlag(FLAGS_piecewise_boundaries)) {
+    int64_t step = 0;
+    if (!absl::SimpleAtoi(b, &step)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--piecewise_boundaries: \"", b, "\" is not a whole number of updates"));
+    }
+    opt.schedule.boundaries.push_back(step);
+  }
+  for (const std::string& v : absl::GetFlag(FLAGS_piecewise_values)) {
+    double rate = 0;
+    if (!absl::SimpleAtod(v, &rate)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--piecewise_values: \"", v, "\" is not a number"));
+    }
+    opt.schedule.values.push_back(rate);
+  }
+  if (opt.schedule.kind == psflow::server::LearningRateSchedule::Kind::kCosine &&
+      !opt.schedule.warmup_target.has_value() &&
+      absl::flags_internal::WasPresentOnCommandLine("warmup_steps")) {
+    std::fprintf(stderr,
+                 "ps_server: warning: --warmup_steps is ignored without --warmup_target (the "
+                 "rate the warmup reaches), as in Keras' CosineDecay\n");
+  }
+  if (opt.schedule.kind == psflow::server::LearningRateSchedule::Kind::kPiecewiseConstant &&
+      absl::GetFlag(FLAGS_learning_rate).has_value()) {
+    std::fprintf(stderr,
+                 "ps_server: warning: --learning_rate is ignored: "
+                 "--learning_rate_schedule=piecewise_constant takes its rates from "
+                 "--piecewise_values\n");
+  }
   opt.beta_1 = absl::GetFlag(FLAGS_beta_1);
   opt.beta_2 = absl::GetFlag(FLAGS_beta_2);
   opt.epsilon = absl::GetFlag(FLAGS_epsilon);

@@ -152,14 +152,33 @@ float ScheduledRateAsFloat(const OptimizerOptions& o, int64_t step) {
 }
 
 std::string ScheduleSuffix(const LearningRateSchedule& s) {
+  const char* staircase = s.staircase ? "true" : "false";
   switch (s.kind) {
     case LearningRateSchedule::Kind::kConstant:
       return "";
     case LearningRateSchedule::Kind::kCosine:
+      if (s.warmup_target.has_value()) {
+        return absl::StrFormat(
+            ", schedule=cosine(decay_steps=%d, alpha=%g, warmup_steps=%d, warmup_target=%g)",
+            s.decay_steps, s.alpha, s.warmup_steps, *s.warmup_target);
+      }
       return absl::StrFormat(", schedule=cosine(decay_steps=%d, alpha=%g)", s.decay_steps, s.alpha);
     case LearningRateSchedule::Kind::kExponential:
       return absl::StrFormat(", schedule=exponential(decay_steps=%d, decay_rate=%g, staircase=%s)",
-                             s.decay_steps, s.decay_rate, s.staircase ? "true" : "false");
+                             s.decay_steps, s.decay_rate, staircase);
+    case LearningRateSchedule::Kind::kPolynomial:
+      return absl::StrFormat(
+          ", schedule=polynomial(decay_steps=%d, end_learning_rate=%g, power=%g, cycle=%s)",
+          s.decay_steps, s.end_learning_rate, s.power, s.cycle ? "true" : "false");
+    case LearningRateSchedule::Kind::kInverseTime:
+      return absl::StrFormat(", schedule=inverse_time(decay_steps=%d, decay_rate=%g, staircase=%s)",
+                             s.decay_steps, s.decay_rate, staircase);
+    case LearningRateSchedule::Kind::kPiecewiseConstant:
+      return absl::StrFormat(", schedule=piecewise_constant(boundaries=[%s], values=[%s])",
+                             absl::StrJoin(s.boundaries, ", "),
+                             absl::StrJoin(s.values, ", ", [](std::string* out, double v) {
+                               absl::StrAppendFormat(out, "%g", v);
+                             }));
   }
   return ", schedule=unknown";
 }
@@ -316,26 +335,89 @@ absl::Status CheckBeta(const char* field, double value) {
       field, field, static_cast<double>(std::nextafter(1.0f, 0.0f)), value));
 }
 
+const char* ScheduleName(LearningRateSchedule::Kind kind) {
+  using Kind = LearningRateSchedule::Kind;
+  switch (kind) {
+    case Kind::kConstant:
+      return "constant";
+    case Kind::kCosine:
+      return "cosine";
+    case Kind::kExponential:
+      return "exponential";
+    case Kind::kPolynomial:
+      return "polynomial";
+    case Kind::kInverseTime:
+      return "inverse_time";
+    case Kind::kPiecewiseConstant:
+      return "piecewise_constant";
+  }
+  return "unknown";
+}
+
+absl::Status ValidatePiecewise(const LearningRateSchedule& s) {
+  if (s.boundaries.empty() || s.values.size() != s.boundaries.size() + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the piecewise_constant learning-rate schedule needs at least one boundary "
+        "(--piecewise_boundaries) and one more value (--piecewise_values) than boundaries, got ",
+        s.boundaries.size(), " boundaries and ", s.values.size(), " values"));
+  }
+  for (size_t i = 1; i < s.boundaries.size(); ++i) {
+    if (s.boundaries[i] <= s.boundaries[i - 1]) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("piecewise_constant boundaries (--piecewise_boundaries) must increase, got ",
+                       s.boundaries[i - 1], " then ", s.boundaries[i]));
+    }
+  }
+  for (double v : s.values) {
+    if (v != 0.0 && !FinitePositiveInFloat(v)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "piecewise_constant values (--piecewise_values) must be finite and >= 0 (also as a "
+          "float32), got %g",
+          v));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateSchedule(const LearningRateSchedule& s) {
   using Kind = LearningRateSchedule::Kind;
   if (s.kind == Kind::kConstant) return absl::OkStatus();
-  if (s.kind != Kind::kCosine && s.kind != Kind::kExponential) {
+  if (std::string_view(ScheduleName(s.kind)) == "unknown") {
     return absl::InvalidArgumentError(absl::StrCat(
         "learning-rate schedule kind has unknown value ", static_cast<int>(s.kind)));
   }
+  if (s.kind == Kind::kPiecewiseConstant) return ValidatePiecewise(s);
   if (s.decay_steps <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "the ", s.kind == Kind::kCosine ? "cosine" : "exponential",
+        "the ", ScheduleName(s.kind),
         " learning-rate schedule (--learning_rate_schedule) needs decay_steps (--decay_steps) > 0, "
         "got ",
         s.decay_steps));
   }
-  if (s.kind == Kind::kCosine && !(s.alpha >= 0.0 && s.alpha <= 1.0)) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "cosine schedule alpha (--cosine_alpha) must be in [0, 1], got %g", s.alpha));
+  switch (s.kind) {
+    case Kind::kCosine:
+      if (!(s.alpha >= 0.0 && s.alpha <= 1.0)) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "cosine schedule alpha (--cosine_alpha) must be in [0, 1], got %g", s.alpha));
+      }
+      if (s.warmup_steps < 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "cosine schedule warmup_steps (--warmup_steps) must be >= 0, got ", s.warmup_steps));
+      }
+      if (s.warmup_target.has_value()) return CheckPositive("warmup_target", *s.warmup_target);
+      return absl::OkStatus();
+    case Kind::kExponential:
+      return CheckPositive("decay_rate", s.decay_rate);
+    case Kind::kInverseTime:
+      return CheckNonNegative("decay_rate", s.decay_rate);
+    case Kind::kPolynomial:
+      if (absl::Status st = CheckNonNegative("end_learning_rate", s.end_learning_rate); !st.ok()) {
+        return st;
+      }
+      return CheckNonNegative("power", s.power);
+    default:
+      return absl::OkStatus();
   }
-  if (s.kind == Kind::kExponential) return CheckPositive("decay_rate", s.decay_rate);
-  return absl::OkStatus();
 }
 
 // Each pattern compiles as an ECMAScript regular expression.
@@ -353,7 +435,15 @@ absl::Status CheckExcludePatterns(const std::vector<std::string>& patterns) {
 }
 
 absl::Status Validate(const OptimizerOptions& o) {
-  if (absl::Status s = CheckPositive("learning_rate", o.learning_rate); !s.ok()) return s;
+  // A warmup may start from 0, as Keras's CosineDecay(0.0, ...,
+  // warmup_target=...) does.
+  const bool warmup = o.schedule.kind == LearningRateSchedule::Kind::kCosine &&
+                      o.schedule.warmup_target.has_value();
+  if (absl::Status s = warmup ? CheckNonNegative("learning_rate", o.learning_rate)
+                              : CheckPositive("learning_rate", o.learning_rate);
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = ValidateSchedule(o.schedule); !s.ok()) return s;
   if (absl::Status s = CheckNonNegative("weight_decay", o.weight_decay); !s.ok()) return s;
   if (absl::Status s = CheckExcludePatterns(o.exclude_from_weight_decay); !s.ok()) return s;
@@ -423,28 +513,66 @@ double DefaultLearningRate(OptimizerOptions::Kind kind) {
 }
 
 absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name) {
-  if (name == "constant") return LearningRateSchedule::Kind::kConstant;
-  if (name == "cosine") return LearningRateSchedule::Kind::kCosine;
-  if (name == "exponential") return LearningRateSchedule::Kind::kExponential;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown learning-rate schedule \"", absl::string_view(name.data(), name.size()),
-      "\"; expected one of: constant, cosine, exponential"));
+  using Kind = LearningRateSchedule::Kind;
+  for (Kind kind : {Kind::kConstant, Kind::kCosine, Kind::kExponential, Kind::kPolynomial,
+                    Kind::kInverseTime, Kind::kPiecewiseConstant}) {
+    if (name == ScheduleName(kind)) return kind;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown learning-rate schedule \"", absl::string_view(name.data(), name.size()),
+                   "\"; expected one of: constant, cosine, exponential, polynomial, inverse_time, "
+                   "piecewise_constant"));
 }
 
 double ScheduledLearningRate(const OptimizerOptions& o, int64_t step) {
+  using Kind = LearningRateSchedule::Kind;
   const double lr = o.learning_rate;
   const LearningRateSchedule& s = o.schedule;
-  if (s.kind == LearningRateSchedule::Kind::kConstant || s.decay_steps <= 0) return lr;
-  const double d = static_cast<double>(s.decay_steps);
-  const double done = static_cast<double>(std::max<int64_t>(step - 1, 0));
-  if (s.kind == LearningRateSchedule::Kind::kCosine) {
-    const double fraction = std::min(done, d) / d;
-    const double cosine = 0.5 * (1.0 + std::cos(M_PI * fraction));
-    return lr * ((1.0 - s.alpha) * cosine + s.alpha);
+  const int64_t done_steps = std::max<int64_t>(step - 1, 0);
+  if (s.kind == Kind::kPiecewiseConstant) {
+    if (s.values.empty()) return lr;
+    // values[i] from just after boundaries[i - 1] up to boundaries[i].
+    const size_t i = std::lower_bound(s.boundaries.begin(), s.boundaries.end(), done_steps) -
+                     s.boundaries.begin();
+    return s.values[std::min(i, s.values.size() - 1)];
   }
-  double p = done / d;
-  if (s.staircase) p = std::floor(p);
-  return lr * std::pow(s.decay_rate, p);
+  if (s.kind == Kind::kConstant || s.decay_steps <= 0) return lr;
+  const double d = static_cast<double>(s.decay_steps);
+  double done = static_cast<double>(done_steps);
+  switch (s.kind) {
+    case Kind::kCosine: {
+      double from = lr;
+      if (s.warmup_target.has_value()) {
+        const double w = static_cast<double>(s.warmup_steps);
+        done = std::min(done, d + w);
+        if (done < w) return (*s.warmup_target - lr) * (done / w) + lr;
+        done -= w;
+        from = *s.warmup_target;
+      }
+      const double fraction = std::min(done, d) / d;
+      const double cosine = 0.5 * (1.0 + std::cos(M_PI * fraction));
+      return from * ((1.0 - s.alpha) * cosine + s.alpha);
+    }
+    case Kind::kPolynomial: {
+      double span = d;
+      if (s.cycle) {
+        span = d * (done == 0.0 ? 1.0 : std::ceil(done / d));
+      } else {
+        done = std::min(done, d);
+      }
+      return (lr - s.end_learning_rate) * std::pow(1.0 - done / span, s.power) +
+             s.end_learning_rate;
+    }
+    case Kind::kInverseTime:
+    case Kind::kExponential: {
+      double p = done / d;
+      if (s.staircase) p = std::floor(p);
+      return s.kind == Kind::kExponential ? lr * std::pow(s.decay_rate, p)
+                                          : lr / (1.0 + s.decay_rate * p);
+    }
+    default:
+      return lr;
+  }
 }
 
 Optimizer::~Optimizer() = default;

@@ -33,11 +33,22 @@
 // optimizer's iterations before the update, i.e. at step - 1):
 //   constant:     lr
 //   cosine:       lr * ((1 - alpha) * 0.5 * (1 + cos(pi * min(s, D) / D)) + alpha)
+//                 with a warmup (warmup_target set, W = warmup_steps, s
+//                 first capped at D + W): for s < W,
+//                 lr + (warmup_target - lr) * s / W, then the decay above
+//                 from warmup_target at s - W
 //   exponential:  lr * decay_rate^(s / D), s / D floored when staircase
+//   polynomial:   (lr - end) * (1 - min(s, D) / D)^power + end; with cycle,
+//                 D becomes D * ceil(s / D) (D at s = 0) and s is not capped
+//   inverse_time: lr / (1 + decay_rate * s / D), s / D floored when staircase
+//   piecewise_constant: values[i] for boundaries[i-1] < s <= boundaries[i]
+//                 (values[0] up to boundaries[0], the last value after the
+//                 last boundary); lr itself is not read
 // with s = step - 1 and D = decay_steps (tf.keras.optimizers.schedules
-// CosineDecay and ExponentialDecay). The schedule is computed in double and
-// rounded once, so a scheduled rate may differ from Keras's float32 one in
-// the last bit.
+// CosineDecay, ExponentialDecay, PolynomialDecay, InverseTimeDecay and
+// PiecewiseConstantDecay). The schedule is computed in double and rounded
+// once, so a scheduled rate may differ from Keras's float32 one in the
+// last bit.
 //
 // Every hyper-parameter is a double, as Keras's are Python floats; each is
 // rounded to float32 where Keras rounds it. The kernels are compiled without
@@ -52,6 +63,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -62,23 +74,48 @@ namespace psflow::server {
 
 // How the learning rate changes with the update count (see the top of file).
 struct LearningRateSchedule {
-  enum class Kind { kConstant, kCosine, kExponential };
+  enum class Kind {
+    kConstant,
+    kCosine,
+    kExponential,
+    kPolynomial,
+    kInverseTime,
+    kPiecewiseConstant
+  };
   Kind kind = Kind::kConstant;
-  // Cosine and exponential: steps over which the rate decays; > 0.
+  // All but piecewise_constant: steps over which the rate decays; > 0.
   int64_t decay_steps = 0;
   // Cosine: the final rate as a fraction of the initial one, in [0, 1].
   double alpha = 0.0;
-  // Exponential: the factor per decay_steps, finite and > 0.
+  // Cosine: a linear warmup from the learning rate to warmup_target over
+  // warmup_steps (>= 0) before the decay, which then starts from
+  // warmup_target (finite, > 0). None without a target, as in Keras.
+  int64_t warmup_steps = 0;
+  std::optional<double> warmup_target;
+  // Exponential: the factor per decay_steps, finite and > 0. Inverse time:
+  // the rate's divisor grows by it per decay_steps, finite and >= 0.
   double decay_rate = 0.96;
+  // Exponential and inverse time: in whole steps of decay_steps.
   bool staircase = false;
+  // Polynomial: the rate at decay_steps (finite, >= 0), the exponent
+  // (finite, >= 0), and whether to decay again from each multiple of
+  // decay_steps.
+  double end_learning_rate = 0.0001;
+  double power = 1.0;
+  bool cycle = false;
+  // Piecewise constant: increasing steps, and one more rate than steps
+  // (each finite and >= 0).
+  std::vector<int64_t> boundaries;
+  std::vector<double> values;
 };
 
 struct OptimizerOptions {
   enum class Kind { kAdam, kSgd, kAdagrad };
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
-  // Step size; all kinds. Must be finite and > 0, also in float32. The
-  // initial rate when a schedule is set. (Keras's default is 0.001 for Adam
+  // Step size; all kinds. Must be finite and > 0, also in float32 (>= 0
+  // before a cosine warmup, which may start from 0). The initial rate when a
+  // schedule is set (piecewise_constant does not read it). (Keras's default is 0.001 for Adam
   // and Adagrad, 0.01 for SGD: see DefaultLearningRate.)
   double learning_rate = 0.001;
   LearningRateSchedule schedule;
@@ -130,7 +167,8 @@ std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
 // Keras's default learning rate for `kind`: 0.01 for SGD, 0.001 otherwise.
 double DefaultLearningRate(OptimizerOptions::Kind kind);
 
-// "constant", "cosine" or "exponential"; INVALID_ARGUMENT listing the choices.
+// "constant", "cosine", "exponential", "polynomial", "inverse_time" or
+// "piecewise_constant"; INVALID_ARGUMENT listing the choices.
 absl::StatusOr<LearningRateSchedule::Kind> ParseScheduleKind(std::string_view name);
 
 // The learning rate of update number `step` (1-based): the schedule

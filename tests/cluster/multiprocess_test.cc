@@ -442,7 +442,7 @@ TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
   const std::string log = dir_ + "/ps.log";
   const pid_t pid =
       Start({PSFLOW_PS_SERVER_BIN, "--port=0", "--momentum=0.9", "--beta_1=0.8", "--decay_rate=0.5",
-             "--learning_rate_schedule=cosine", "--decay_steps=9"},
+             "--learning_rate_schedule=cosine", "--decay_steps=9", "--power=2", "--warmup_steps=3"},
             "", log);
   ASSERT_GT(pid, 0);
   ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
@@ -452,8 +452,12 @@ TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
   EXPECT_THAT(text, ::testing::HasSubstr(
                         "--momentum is ignored: only --optimizer=sgd reads it, and it is adam"));
   EXPECT_THAT(text, ::testing::HasSubstr("--decay_rate is ignored: only "
-                                         "--learning_rate_schedule=exponential reads it, and it "
+                                         "--learning_rate_schedule=exponential|inverse_time reads "
+                                         "it, and it is cosine"));
+  EXPECT_THAT(text, ::testing::HasSubstr("--power is ignored: only "
+                                         "--learning_rate_schedule=polynomial reads it, and it "
                                          "is cosine"));
+  EXPECT_THAT(text, ::testing::HasSubstr("--warmup_steps is ignored without --warmup_target"));
   EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("--beta_1 is ignored")));
 }
 

@@ -774,9 +774,16 @@ TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
   EXPECT_EQ(*ParseScheduleKind("constant"), LearningRateSchedule::Kind::kConstant);
   EXPECT_EQ(*ParseScheduleKind("cosine"), LearningRateSchedule::Kind::kCosine);
   EXPECT_EQ(*ParseScheduleKind("exponential"), LearningRateSchedule::Kind::kExponential);
-  absl::StatusOr<LearningRateSchedule::Kind> bad = ParseScheduleKind("polynomial");
+  EXPECT_EQ(*ParseScheduleKind("polynomial"), LearningRateSchedule::Kind::kPolynomial);
+  EXPECT_EQ(*ParseScheduleKind("inverse_time"), LearningRateSchedule::Kind::kInverseTime);
+  EXPECT_EQ(*ParseScheduleKind("piecewise_constant"),
+            LearningRateSchedule::Kind::kPiecewiseConstant);
+  absl::StatusOr<LearningRateSchedule::Kind> bad = ParseScheduleKind("cosine_restarts");
   ASSERT_FALSE(bad.ok());
-  EXPECT_THAT(bad.status().message(), AllOf(HasSubstr("polynomial"), HasSubstr("cosine")));
+  EXPECT_THAT(bad.status().message(),
+              AllOf(HasSubstr("\"cosine_restarts\""),
+                    HasSubstr("constant, cosine, exponential, polynomial, inverse_time, "
+                              "piecewise_constant")));
 
   OptimizerOptions o;
   o.schedule.kind = LearningRateSchedule::Kind::kCosine;
@@ -796,6 +803,149 @@ TEST(OptimizerTest, ScheduleOptionsAreValidatedAndShown) {
   EXPECT_EQ(MustCreate(o)->DebugString(),
             "sgd(learning_rate=0.001, momentum=0, nesterov=false, "
             "schedule=exponential(decay_steps=100, decay_rate=0.5, staircase=false))");
+
+  // Warmup.
+  o = {};
+  o.schedule.kind = LearningRateSchedule::Kind::kCosine;
+  o.schedule.decay_steps = 100;
+  o.schedule.warmup_steps = -1;
+  ExpectInvalid(o, "warmup_steps (--warmup_steps)", ">= 0");
+  o.schedule.warmup_steps = 10;
+  o.schedule.warmup_target = 0.0;
+  ExpectInvalid(o, "warmup_target (--warmup_target)", "> 0");
+  o.schedule.warmup_target = 0.01;
+  o.learning_rate = 0.0;  // a warmup may start from 0; nothing else may
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+            "schedule=cosine(decay_steps=100, alpha=0, warmup_steps=10, warmup_target=0.01))");
+  o.schedule.warmup_target.reset();
+  ExpectInvalid(o, "learning_rate (--learning_rate)", "> 0");
+  // Polynomial.
+  o = {};
+  o.schedule.kind = LearningRateSchedule::Kind::kPolynomial;
+  ExpectInvalid(o,
+                "the polynomial learning-rate schedule (--learning_rate_schedule) needs "
+                "decay_steps (--decay_steps) > 0",
+                "got 0");
+  o.schedule.decay_steps = 50;
+  o.schedule.power = -1;
+  ExpectInvalid(o, "power (--power)", ">= 0");
+  o.schedule.power = 0.5;
+  o.schedule.end_learning_rate = -1e-4;
+  ExpectInvalid(o, "end_learning_rate (--end_learning_rate)", ">= 0");
+  o.schedule.end_learning_rate = 1e-5;
+  o.schedule.cycle = true;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+            "schedule=polynomial(decay_steps=50, end_learning_rate=1e-05, power=0.5, "
+            "cycle=true))");
+  // Inverse time: a rate of 0 keeps the learning rate.
+  o = {};
+  o.schedule.kind = LearningRateSchedule::Kind::kInverseTime;
+  o.schedule.decay_steps = 10;
+  o.schedule.decay_rate = -0.5;
+  ExpectInvalid(o, "decay_rate (--decay_rate)", ">= 0");
+  o.schedule.decay_rate = 0.0;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+            "schedule=inverse_time(decay_steps=10, decay_rate=0, staircase=false))");
+  // Piecewise constant.
+  o = {};
+  o.schedule.kind = LearningRateSchedule::Kind::kPiecewiseConstant;
+  ExpectInvalid(o, "at least one boundary (--piecewise_boundaries)",
+                "got 0 boundaries and 0 values");
+  o.schedule.boundaries = {100, 200};
+  o.schedule.values = {0.1, 0.01};
+  ExpectInvalid(o, "one more value (--piecewise_values) than boundaries",
+                "got 2 boundaries and 2 values");
+  o.schedule.values = {0.1, 0.01, 0.001};
+  o.schedule.boundaries = {200, 100};
+  ExpectInvalid(o, "boundaries (--piecewise_boundaries) must increase", "got 200 then 100");
+  o.schedule.boundaries = {100, 200};
+  o.schedule.values = {0.1, -0.01, 0.001};
+  ExpectInvalid(o, "values (--piecewise_values) must be finite and >= 0", "got -0.01");
+  o.schedule.values = {0.1, 0.01, 0.001};
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+            "schedule=piecewise_constant(boundaries=[100, 200], values=[0.1, 0.01, 0.001]))");
+}
+
+// The schedules Keras has beyond cosine and exponential, by hand, at
+// s = step - 1 (Keras evaluates at iterations before the update).
+TEST(OptimizerTest, CosineWarmupByHand) {
+  // CosineDecay(0.0, decay_steps=4, alpha=0.5, warmup_target=0.1, warmup_steps=2):
+  // s=0: 0, s=1: 0.05, then from 0.1: s=2: 0.1, s=4: 0.1 * (0.5 * 0.5 + 0.5)
+  // = 0.075, s>=6: 0.05.
+  OptimizerOptions o;
+  o.learning_rate = 0.0;
+  o.schedule.kind = LearningRateSchedule::Kind::kCosine;
+  o.schedule.decay_steps = 4;
+  o.schedule.alpha = 0.5;
+  o.schedule.warmup_steps = 2;
+  o.schedule.warmup_target = 0.1;
+  const double want[] = {0.0,   0.05,
+                         0.1,   0.1 * (0.5 * 0.5 * (1 + std::cos(M_PI / 4)) + 0.5),
+                         0.075, 0.1 * (0.5 * 0.5 * (1 + std::cos(3 * M_PI / 4)) + 0.5),
+                         0.05,  0.05,
+                         0.05};
+  for (int s = 0; s < static_cast<int>(std::size(want)); ++s) {
+    EXPECT_NEAR(ScheduledLearningRate(o, s + 1), want[s], 1e-12) << "s=" << s;
+  }
+  // No warmup steps: the decay starts at the target at once.
+  o.schedule.warmup_steps = 0;
+  EXPECT_NEAR(ScheduledLearningRate(o, 1), 0.1, 1e-12);
+}
+
+TEST(OptimizerTest, PolynomialScheduleByHand) {
+  // PolynomialDecay(0.1, decay_steps=4, end_learning_rate=0.02, power=2):
+  // (0.08) * (1 - s/4)^2 + 0.02.
+  OptimizerOptions o;
+  o.learning_rate = 0.1;
+  o.schedule.kind = LearningRateSchedule::Kind::kPolynomial;
+  o.schedule.decay_steps = 4;
+  o.schedule.end_learning_rate = 0.02;
+  o.schedule.power = 2;
+  const double no_cycle[] = {0.1, 0.065, 0.04, 0.025, 0.02, 0.02, 0.02};
+  for (int s = 0; s < 7; ++s) {
+    EXPECT_NEAR(ScheduledLearningRate(o, s + 1), no_cycle[s], 1e-12) << "s=" << s;
+  }
+  // With cycle, s = 5 decays over 8 steps: 0.08 * (3/8)^2 + 0.02; s = 4
+  // ends the first cycle at the end rate, s = 0 uses one span.
+  o.schedule.cycle = true;
+  EXPECT_NEAR(ScheduledLearningRate(o, 1), 0.1, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 5), 0.02, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 6), 0.08 * (3.0 / 8) * (3.0 / 8) + 0.02, 1e-12);
+  EXPECT_NEAR(ScheduledLearningRate(o, 9), 0.02, 1e-12);
+}
+
+TEST(OptimizerTest, InverseTimeScheduleByHand) {
+  // InverseTimeDecay(0.1, decay_steps=2, decay_rate=0.5): 0.1 / (1 + 0.5 * s / 2).
+  OptimizerOptions o;
+  o.learning_rate = 0.1;
+  o.schedule.kind = LearningRateSchedule::Kind::kInverseTime;
+  o.schedule.decay_steps = 2;
+  o.schedule.decay_rate = 0.5;
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_NEAR(ScheduledLearningRate(o, s + 1), 0.1 / (1 + 0.25 * s), 1e-12) << "s=" << s;
+  }
+  o.schedule.staircase = true;  // s / 2 floored
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_NEAR(ScheduledLearningRate(o, s + 1), 0.1 / (1 + 0.5 * (s / 2)), 1e-12) << "s=" << s;
+  }
+}
+
+TEST(OptimizerTest, PiecewiseConstantScheduleByHand) {
+  // PiecewiseConstantDecay([2, 5], [0.1, 0.01, 0.001]): s <= 2 -> 0.1,
+  // 2 < s <= 5 -> 0.01, s > 5 -> 0.001; the learning rate is not read.
+  OptimizerOptions o;
+  o.learning_rate = 7.0;
+  o.schedule.kind = LearningRateSchedule::Kind::kPiecewiseConstant;
+  o.schedule.boundaries = {2, 5};
+  o.schedule.values = {0.1, 0.01, 0.001};
+  const double want[] = {0.1, 0.1, 0.1, 0.01, 0.01, 0.01, 0.001, 0.001};
+  for (int s = 0; s < 8; ++s) {
+    EXPECT_EQ(ScheduledLearningRate(o, s + 1), want[s]) << "s=" << s;
+  }
 }
 
 }  // namespace
