@@ -374,7 +374,7 @@ class RawLink {
       std::vector<char> buf(bytes_);  // reused, like the PS's buffers
       // The optimizer's state, as on a shard.
       const int64_t elements = static_cast<int64_t>(bytes_ / 4);
-      psflow::FloatBuffer params, slots[2];  // Adam has the most slots: 2
+      psflow::FloatBuffer params, slots[2];  // at most 2: raw_opt never sets --amsgrad
       if (optimizer_ != nullptr) {
         params = psflow::FloatBuffer(elements, 0.01f);
         for (int i = 0; i < optimizer_->num_slots(); ++i) {

@@ -12,7 +12,7 @@
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libre2-dev
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   dataset-fashion-mnist

@@ -93,13 +93,15 @@ ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator 
 ABSL_FLAG(bool, amsgrad, false,
           "Adam: divide by the largest second moment seen (AMSGrad; a third slot per element).");
 ABSL_FLAG(std::optional<double>, weight_decay, std::nullopt,
-          "Decoupled weight decay, every optimizer: before each update a variable is "
-          "multiplied by (1 - weight_decay * learning_rate), as Keras' weight_decay (default: "
-          "0.004 for adamw, else none).");
+          "Decoupled weight decay, every optimizer: before each update a variable becomes "
+          "p - p * weight_decay * learning_rate, as Keras' weight_decay (default: 0.004 for "
+          "adamw, else none).");
 ABSL_FLAG(std::vector<std::string>, exclude_from_weight_decay, {},
-          "Variables not decayed: comma-separated regular expressions, each searched in the "
-          "variable's name (e.g. bias to leave every bias alone), as Keras' "
-          "exclude_from_weight_decay(var_names=...).");
+          "Variables not decayed: comma-separated regular expressions (RE2 syntax; none may "
+          "hold a comma), each searched anywhere in the variable's whole name, such as "
+          "dense/bias (e.g. bias leaves every bias alone). Keras' "
+          "exclude_from_weight_decay(var_names=...) searches only the last part, bias: "
+          "unanchored patterns mean the same in both.");
 ABSL_FLAG(int, threads, 0,
           "Most calls that register, pull or push served at once (0 = no limit); more wait "
           "their turn, in arrival order, until their deadline, rather than fail. GetStatus and "
@@ -264,9 +266,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.weight_decay = absl::GetFlag(FLAGS_weight_decay).value_or(name->default_weight_decay);
   opt.exclude_from_weight_decay = absl::GetFlag(FLAGS_exclude_from_weight_decay);
   if (!opt.exclude_from_weight_decay.empty() && opt.weight_decay == 0.0) {
-    std::fprintf(stderr,
-                 "ps_server: warning: --exclude_from_weight_decay is ignored: no weight decay "
-                 "(--weight_decay, or --optimizer=adamw)\n");
+    std::fprintf(
+        stderr,
+        "ps_server: warning: --exclude_from_weight_decay is ignored: there is no weight "
+        "decay (--weight_decay is 0%s)\n",
+        absl::GetFlag(FLAGS_weight_decay).has_value() ? "" : "; --optimizer=adamw has one");
   }
   WarnAboutUnreadFlags(absl::GetFlag(FLAGS_optimizer), absl::GetFlag(FLAGS_learning_rate_schedule));
   options.store.max_chunk_bytes = absl::GetFlag(FLAGS_max_chunk_bytes);

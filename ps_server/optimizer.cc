@@ -8,7 +8,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <regex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "common/kernel_clones.h"
+#include "re2/re2.h"
 
 namespace psflow::server {
 namespace {
@@ -420,18 +420,28 @@ absl::Status ValidateSchedule(const LearningRateSchedule& s) {
   }
 }
 
-// Each pattern compiles as an ECMAScript regular expression.
-absl::Status CheckExcludePatterns(const std::vector<std::string>& patterns) {
+// Each pattern compiles with RE2 (and is not empty), or the first that does
+// not is named.
+absl::StatusOr<std::vector<std::shared_ptr<const re2::RE2>>> CompileExcludePatterns(
+    const std::vector<std::string>& patterns) {
+  std::vector<std::shared_ptr<const re2::RE2>> compiled;
   for (const std::string& pattern : patterns) {
-    try {
-      std::regex compiled(pattern, std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
+    if (pattern.empty()) {
+      return absl::InvalidArgumentError(
+          "optimizer option exclude_from_weight_decay (--exclude_from_weight_decay) has an empty "
+          "pattern, which every name matches (a comma too many?)");
+    }
+    re2::RE2::Options options;
+    options.set_log_errors(false);
+    auto re = std::make_shared<const re2::RE2>(pattern, options);
+    if (!re->ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "optimizer option exclude_from_weight_decay (--exclude_from_weight_decay): \"", pattern,
-          "\" is not a valid regular expression (", e.what(), ")"));
+          "\" is not a valid regular expression (RE2: ", re->error(), ")"));
     }
+    compiled.push_back(std::move(re));
   }
-  return absl::OkStatus();
+  return compiled;
 }
 
 absl::Status Validate(const OptimizerOptions& o) {
@@ -446,7 +456,6 @@ absl::Status Validate(const OptimizerOptions& o) {
   }
   if (absl::Status s = ValidateSchedule(o.schedule); !s.ok()) return s;
   if (absl::Status s = CheckNonNegative("weight_decay", o.weight_decay); !s.ok()) return s;
-  if (absl::Status s = CheckExcludePatterns(o.exclude_from_weight_decay); !s.ok()) return s;
   switch (o.kind) {
     case OptimizerOptions::Kind::kAdam:
       if (absl::Status s = CheckBeta("beta_1", o.beta_1); !s.ok()) return s;
@@ -484,16 +493,6 @@ absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name) {
                      "\"; expected one of: adam, adamw, sgd, adagrad"));
   }
   return OptimizerName{*kind, 0.0};
-}
-
-bool DecaysVariable(const OptimizerOptions& options, std::string_view name) {
-  if (options.weight_decay == 0.0) return false;
-  for (const std::string& pattern : options.exclude_from_weight_decay) {
-    if (std::regex_search(name.begin(), name.end(), std::regex(pattern, std::regex::ECMAScript))) {
-      return false;
-    }
-  }
-  return true;
 }
 
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {
@@ -577,17 +576,35 @@ double ScheduledLearningRate(const OptimizerOptions& o, int64_t step) {
 
 Optimizer::~Optimizer() = default;
 
+bool Optimizer::DecaysVariable(std::string_view name) const {
+  if (!decays_) return false;
+  const re2::StringPiece text(name.data(), name.size());
+  for (const auto& pattern : excluded_) {
+    if (re2::RE2::PartialMatch(text, *pattern)) return false;
+  }
+  return true;
+}
+
 absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerOptions& options) {
   if (absl::Status s = Validate(options); !s.ok()) return s;
+  auto excluded = CompileExcludePatterns(options.exclude_from_weight_decay);
+  if (!excluded.ok()) return excluded.status();
+  std::unique_ptr<Optimizer> made;
   switch (options.kind) {
     case OptimizerOptions::Kind::kAdam:
-      return std::make_unique<Adam>(options);
+      made = std::make_unique<Adam>(options);
+      break;
     case OptimizerOptions::Kind::kSgd:
-      return std::make_unique<Sgd>(options);
+      made = std::make_unique<Sgd>(options);
+      break;
     case OptimizerOptions::Kind::kAdagrad:
-      return std::make_unique<Adagrad>(options);
+      made = std::make_unique<Adagrad>(options);
+      break;
   }
-  return absl::InternalError("unreachable optimizer kind");
+  if (made == nullptr) return absl::InternalError("unreachable optimizer kind");
+  made->decays_ = options.weight_decay != 0.0;
+  made->excluded_ = *std::move(excluded);
+  return made;
 }
 
 }  // namespace psflow::server

@@ -70,6 +70,10 @@
 
 #include "absl/status/statusor.h"
 
+namespace re2 {
+class RE2;
+}  // namespace re2
+
 namespace psflow::server {
 
 // How the learning rate changes with the update count (see the top of file).
@@ -137,9 +141,12 @@ struct OptimizerOptions {
   // Decoupled weight decay, all kinds; finite and >= 0, also in float32
   // (0: none). Keras's AdamW is Adam with 0.004 (see ParseOptimizerName).
   double weight_decay = 0.0;
-  // Regular expressions (ECMAScript, searched anywhere in the name, as
-  // Keras's exclude_from_weight_decay(var_names=...) searches with Python's
-  // re): variables whose name one of them is found in are not decayed.
+  // Regular expressions (RE2 syntax, searched anywhere in the variable's
+  // whole name, such as "dense/bias"): the variables whose name one of them
+  // is found in are not decayed. Keras's exclude_from_weight_decay(var_names=
+  // ...) searches its variable.name the same way, but that is only the last
+  // component ("bias"); an unanchored pattern means the same in both. Not
+  // empty (an empty pattern is found in every name).
   std::vector<std::string> exclude_from_weight_decay;
 };
 
@@ -155,11 +162,6 @@ struct OptimizerName {
   double default_weight_decay = 0.0;
 };
 absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name);
-
-// Whether the optimizer decays the variable `name` (weight_decay > 0 and no
-// pattern of exclude_from_weight_decay found in it). The patterns must be
-// valid (Optimizer::Create checks them).
-bool DecaysVariable(const OptimizerOptions& options, std::string_view name);
 
 // Returns the lower-case name ParseOptimizerKind accepts for `kind`.
 std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
@@ -201,6 +203,12 @@ class Optimizer {
   // excludes) and ", schedule=cosine(decay_steps=2814, alpha=0)" when set.
   virtual std::string DebugString() const = 0;
 
+  // Whether the weight decay reaches the variable `name`: there is one, and
+  // no pattern of exclude_from_weight_decay is found in the name. The
+  // patterns are compiled once, by Create, with RE2, whose time is linear
+  // in the name's length (a client names the variables it registers).
+  bool DecaysVariable(std::string_view name) const;
+
   // Applies one update to `n` contiguous elements, in place.
   //   step:  the 1-based count of this update on these elements (Adam's bias
   //          correction and the learning-rate schedule use it; >= 1).
@@ -215,6 +223,10 @@ class Optimizer {
 
  protected:
   Optimizer() = default;
+
+ private:
+  bool decays_ = false;
+  std::vector<std::shared_ptr<const re2::RE2>> excluded_;
 };
 
 }  // namespace psflow::server

@@ -424,10 +424,9 @@ std::unique_ptr<VariableStore::Part> VariableStore::NewPart(const PartDefinition
         new SharedValues(params->data() + begin, std::min(kLockStripeElements, n - begin), params);
   }
   part->slots = std::move(slots);
-  part->optimizer =
-      undecayed_optimizer_ != nullptr && !DecaysVariable(options_.optimizer, def.variable)
-          ? undecayed_optimizer_.get()
-          : optimizer_.get();
+  part->optimizer = undecayed_optimizer_ != nullptr && !optimizer_->DecaysVariable(def.variable)
+                        ? undecayed_optimizer_.get()
+                        : optimizer_.get();
   return part;
 }
 

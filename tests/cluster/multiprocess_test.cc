@@ -470,12 +470,15 @@ TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
     std::vector<std::string> said;
   };
   const Run runs[] = {
-      {{"--optimizer=adamw", "--amsgrad", "--exclude_from_weight_decay=bias,norm"},
-       {"optimizer adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, "
+      // Adam's flags are read by adamw: no warning.
+      {{"--optimizer=adamw", "--amsgrad", "--beta_1=0.8", "--exclude_from_weight_decay=bias,norm"},
+       {"optimizer adam(learning_rate=0.001, beta_1=0.8, beta_2=0.999, epsilon=1e-07, "
         "amsgrad=true, weight_decay=0.004, exclude_from_weight_decay=[bias, norm])"}},
       {{"--optimizer=sgd", "--amsgrad", "--exclude_from_weight_decay=bias"},
        {"--amsgrad is ignored: only --optimizer=adam|adamw reads it, and it is sgd",
-        "--exclude_from_weight_decay is ignored: no weight decay", "optimizer sgd("}},
+        "--exclude_from_weight_decay is ignored: there is no weight decay (--weight_decay is "
+        "0; --optimizer=adamw has one)",
+        "optimizer sgd("}},
   };
   for (const Run& run : runs) {
     SCOPED_TRACE(absl::StrJoin(run.flags, " "));
@@ -489,12 +492,20 @@ TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
     EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
     const std::string text = ReadFile(log);
     for (const std::string& said : run.said) EXPECT_THAT(text, ::testing::HasSubstr(said));
+    if (run.said.size() == 1) {
+      EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("ignored")));
+    }
   }
   // A pattern that is no regular expression stops the shard, named.
   const auto [code, out] = RunToEnd({PSFLOW_PS_SERVER_BIN, "--port=0", "--weight_decay=0.1",
                                      "--exclude_from_weight_decay=dense/(kernel"});
   EXPECT_EQ(code, 1) << out;
   EXPECT_THAT(out, ::testing::HasSubstr("\"dense/(kernel\" is not a valid regular expression"));
+  // A comma too many: an empty pattern would exclude every variable.
+  const auto [empty_code, empty_out] = RunToEnd(
+      {PSFLOW_PS_SERVER_BIN, "--port=0", "--optimizer=adamw", "--exclude_from_weight_decay=bias,"});
+  EXPECT_EQ(empty_code, 1) << empty_out;
+  EXPECT_THAT(empty_out, ::testing::HasSubstr("has an empty pattern"));
 }
 
 // SIGTERM lets the calls in progress finish (5 s of grace); a second one

@@ -512,6 +512,34 @@ TEST(OptimizerTest, ParseOptimizerKind) {
   EXPECT_FALSE(ParseOptimizerKind("").ok());
 }
 
+// TensorFlow's maximum gives NaN when either side is NaN: so does v_hat,
+// where NaN gradients are allowed (else a NaN in v would be dropped by a
+// plain comparison and the parameter would go on from the old maximum).
+TEST(OptimizerTest, AmsgradMaximumKeepsNaNAsTensorFlowDoes) {
+  OptimizerOptions o;
+  o.amsgrad = true;
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  ASSERT_NE(opt, nullptr);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // 19 elements, so that the vector loop and its tail both see each case.
+  constexpr int n = 19;
+  std::vector<float> p(n, 1.0f), m(n, 0.0f), v(n, 0.0f), v_hat(n, 0.5f), g(n, 0.25f);
+  for (int i = 0; i < n; i += 3) v[i] = nan;      // v becomes NaN
+  for (int i = 1; i < n; i += 3) v_hat[i] = nan;  // v_hat was NaN
+  float* slots[] = {m.data(), v.data(), v_hat.data()};
+  opt->Apply(1, p.data(), slots, g.data(), n);
+  for (int i = 0; i < n; ++i) {
+    SCOPED_TRACE(i);
+    if (i % 3 == 2) {
+      EXPECT_EQ(v_hat[i], 0.5f) << "the old maximum is larger than v";
+      EXPECT_FALSE(std::isnan(p[i]));
+    } else {
+      EXPECT_TRUE(std::isnan(v_hat[i]));
+      EXPECT_TRUE(std::isnan(p[i]));
+    }
+  }
+}
+
 TEST(OptimizerTest, ParseOptimizerNameTakesAdamWAsAdamWithKerasDecay) {
   EXPECT_EQ(ParseOptimizerName("adamw")->kind, Kind::kAdam);
   EXPECT_EQ(ParseOptimizerName("adamw")->default_weight_decay, 0.004);  // keras.optimizers.AdamW
@@ -539,21 +567,40 @@ TEST(OptimizerTest, DebugStringNamesAmsgradAndWeightDecay) {
             "exclude_from_weight_decay=[bias, norm$])");
 }
 
-// As Keras's exclude_from_weight_decay(var_names=...): each pattern is
-// searched anywhere in the name, as a regular expression.
+// Each pattern is searched anywhere in the variable's whole name, as a
+// regular expression (Keras searches only the name's last component, so an
+// unanchored pattern such as "bias" means the same in both).
 TEST(OptimizerTest, DecaysVariableUnlessAPatternIsFoundInItsName) {
   OptimizerOptions o;
   o.exclude_from_weight_decay = {"bias", "^embed", "norm/(gamma|beta)$"};
-  EXPECT_FALSE(DecaysVariable(o, "dense/kernel")) << "no weight decay at all";
+  EXPECT_FALSE(MustCreate(o)->DecaysVariable("dense/kernel")) << "no weight decay at all";
   o.weight_decay = 0.1;
-  EXPECT_TRUE(DecaysVariable(o, "dense/kernel"));
-  EXPECT_FALSE(DecaysVariable(o, "dense/bias"));
-  EXPECT_FALSE(DecaysVariable(o, "embedding/table"));
-  EXPECT_TRUE(DecaysVariable(o, "word_embed/table")) << "^ anchors at the start";
-  EXPECT_FALSE(DecaysVariable(o, "layer_norm/gamma"));
-  EXPECT_TRUE(DecaysVariable(o, "layer_norm/gamma_2"));
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  ASSERT_NE(opt, nullptr);
+  EXPECT_TRUE(opt->DecaysVariable("dense/kernel"));
+  EXPECT_FALSE(opt->DecaysVariable("dense/bias"));
+  EXPECT_FALSE(opt->DecaysVariable("embedding/table"));
+  EXPECT_TRUE(opt->DecaysVariable("word_embed/table")) << "^ anchors at the start";
+  EXPECT_FALSE(opt->DecaysVariable("layer_norm/gamma"));
+  EXPECT_TRUE(opt->DecaysVariable("layer_norm/gamma_2"));
   o.exclude_from_weight_decay.clear();
-  EXPECT_TRUE(DecaysVariable(o, "dense/bias"));
+  EXPECT_TRUE(MustCreate(o)->DecaysVariable("dense/bias"));
+}
+
+// A client names the variables it registers (up to 64 KiB), and the shard
+// matches the names when a registration comes: a pattern that backtracks
+// (std::regex took 11 s on a 25,000-byte name and overflowed the stack at
+// 40,000) must cost time linear in the name.
+TEST(OptimizerTest, PatternsMatchLongNamesInLinearTime) {
+  OptimizerOptions o;
+  o.weight_decay = 0.1;
+  o.exclude_from_weight_decay = {".*bias", "(a+)+$", "(a|aa)*c"};
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  ASSERT_NE(opt, nullptr);
+  const std::string name(65536, 'a');
+  EXPECT_FALSE(opt->DecaysVariable(name)) << "(a+)+$ is found in it";
+  EXPECT_TRUE(opt->DecaysVariable(name + "!")) << "none is found in it";
+  EXPECT_FALSE(opt->DecaysVariable(name + "bias"));
 }
 
 // The decay uses the learning rate of the update, schedule and all: with a
@@ -640,7 +687,10 @@ TEST(OptimizerTest, RejectsBadOptions) {
   o.weight_decay = 0.004;
   o.exclude_from_weight_decay = {"bias", "dense/(kernel"};
   ExpectInvalid(o, "exclude_from_weight_decay (--exclude_from_weight_decay): \"dense/(kernel\"",
-                "is not a valid regular expression");
+                "is not a valid regular expression (RE2: missing )");
+  o.exclude_from_weight_decay = {"bias", ""};  // "bias," on the command line
+  ExpectInvalid(o, "exclude_from_weight_decay (--exclude_from_weight_decay) has an empty pattern",
+                "a comma too many?");
 }
 
 TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
