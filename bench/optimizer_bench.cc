@@ -184,6 +184,15 @@ void BM_SgdMomentum(benchmark::State& state) {  // reads p, m, g; writes p, m
 void BM_Adagrad(benchmark::State& state) {  // reads p, acc, g; writes p, acc
   RunOptimizer(state, OptimizerOptions::Kind::kAdagrad, 0.0f, 20);
 }
+void BM_Rmsprop(benchmark::State& state) {  // reads p, v, g; writes p, v
+  RunOptimizer(state, OptimizerOptions::Kind::kRmsprop, 0.0f, 20);
+}
+// Centered with momentum: reads p, v, u, a, g; writes p, v, u, a.
+void BM_RmspropCenteredMomentum(benchmark::State& state) {
+  OptimizerOptions o = Options(OptimizerOptions::Kind::kRmsprop, 0.9f);
+  o.centered = true;
+  RunOptimizer(state, o, 36);
+}
 
 // The NaN/Inf scan of a gradient (4 bytes read per element) as a push's
 // client runs it before sending: on range(1) threads of its own
@@ -215,6 +224,8 @@ BENCHMARK(BM_AmsgradStripes)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdPlain)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_Adagrad)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
+BENCHMARK(BM_Rmsprop)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
+BENCHMARK(BM_RmspropCenteredMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 
 // Prints as usual and keeps every repetition's rates for the summary, which
 // gives the median and the best repetition (STREAM reports its best of N).

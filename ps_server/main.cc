@@ -49,8 +49,8 @@ ABSL_FLAG(std::optional<int>, num_shards, std::nullopt,
           "given with a ps list, it must agree).");
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, optimizer, "adam",
-          "Optimizer applied to pushed gradients: adam|adamw|sgd|adagrad (adamw: adam with "
-          "--weight_decay defaulting to 0.004, as Keras' AdamW).");
+          "Optimizer applied to pushed gradients: adam|adamw|sgd|adagrad|rmsprop (adamw: "
+          "adam with --weight_decay defaulting to 0.004, as Keras' AdamW).");
 ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
           "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
           "0.001 for adam and adagrad).");
@@ -86,8 +86,11 @@ ABSL_FLAG(std::vector<std::string>, piecewise_values, {},
           "to the first boundary, between each two, after the last).");
 ABSL_FLAG(double, beta_1, 0.9, "Adam: decay of the first moment.");
 ABSL_FLAG(double, beta_2, 0.999, "Adam: decay of the second moment.");
-ABSL_FLAG(double, epsilon, 1e-7, "Adam and Adagrad: epsilon (Keras default 1e-7).");
-ABSL_FLAG(double, momentum, 0.0, "SGD: momentum (0 = plain SGD).");
+ABSL_FLAG(double, epsilon, 1e-7, "Adam, Adagrad and RMSprop: epsilon (Keras default 1e-7).");
+ABSL_FLAG(double, momentum, 0.0, "SGD and RMSprop: momentum (0 = none).");
+ABSL_FLAG(double, rho, 0.9, "RMSprop: decay of the mean square of the gradients.");
+ABSL_FLAG(bool, centered, false,
+          "RMSprop: divide by the root of the gradients' variance (also keeps their mean).");
 ABSL_FLAG(bool, nesterov, false, "SGD: Nesterov momentum.");
 ABSL_FLAG(double, initial_accumulator_value, 0.1, "Adagrad: initial accumulator value.");
 ABSL_FLAG(bool, amsgrad, false,
@@ -160,9 +163,11 @@ void WarnAboutUnreadFlags(const std::string& optimizer, const std::string& sched
   const Reader readers[] = {
       {"beta_1", "optimizer", {"adam", "adamw"}},
       {"beta_2", "optimizer", {"adam", "adamw"}},
-      {"epsilon", "optimizer", {"adam", "adamw", "adagrad"}},
+      {"epsilon", "optimizer", {"adam", "adamw", "adagrad", "rmsprop"}},
       {"amsgrad", "optimizer", {"adam", "adamw"}},
-      {"momentum", "optimizer", {"sgd"}},
+      {"momentum", "optimizer", {"sgd", "rmsprop"}},
+      {"rho", "optimizer", {"rmsprop"}},
+      {"centered", "optimizer", {"rmsprop"}},
       {"nesterov", "optimizer", {"sgd"}},
       {"initial_accumulator_value", "optimizer", {"adagrad"}},
       {"decay_steps",
@@ -260,6 +265,8 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.beta_2 = absl::GetFlag(FLAGS_beta_2);
   opt.epsilon = absl::GetFlag(FLAGS_epsilon);
   opt.momentum = absl::GetFlag(FLAGS_momentum);
+  opt.rho = absl::GetFlag(FLAGS_rho);
+  opt.centered = absl::GetFlag(FLAGS_centered);
   opt.nesterov = absl::GetFlag(FLAGS_nesterov);
   opt.initial_accumulator_value = absl::GetFlag(FLAGS_initial_accumulator_value);
   opt.amsgrad = absl::GetFlag(FLAGS_amsgrad);

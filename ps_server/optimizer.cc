@@ -115,6 +115,36 @@ void AdagradKernel(float* __restrict p, float* __restrict acc, const char* __res
   }
 }
 
+// RMSprop. mom (the momentum slot) and avg (the mean gradient, centered)
+// may be null; the loop is the same for the four combinations, and GCC
+// unswitches it on the two tests (-O3).
+PSFLOW_KERNEL_CLONES
+void RmspropKernel(float* __restrict p, float* __restrict v, float* __restrict mom,
+                   float* __restrict avg, const char* __restrict g, int64_t n, float lr, float rho,
+                   float one_minus_rho, float epsilon, float momentum) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = LoadFloat(g, i);
+    const float vi = rho * v[i] + one_minus_rho * (gi * gi);
+    v[i] = vi;
+    float denominator;
+    if (avg != nullptr) {
+      const float ai = rho * avg[i] + one_minus_rho * gi;
+      avg[i] = ai;
+      denominator = vi - ai * ai + epsilon;
+    } else {
+      denominator = vi + epsilon;
+    }
+    const float increment = (lr * gi) / std::sqrt(denominator);
+    if (mom != nullptr) {
+      const float ui = momentum * mom[i] + increment;
+      mom[i] = ui;
+      p[i] -= ui;
+    } else {
+      p[i] -= increment;
+    }
+  }
+}
+
 #undef PSFLOW_KERNEL_CLONES
 
 // Flushes denormal results to zero and reads denormal inputs as zero while
@@ -299,6 +329,37 @@ class Adagrad final : public Optimizer {
   const OptimizerOptions o_;
 };
 
+class Rmsprop final : public Optimizer {
+ public:
+  explicit Rmsprop(const OptimizerOptions& o) : o_(o) {}
+  int num_slots() const override { return 1 + (o_.momentum > 0.0) + o_.centered; }
+  float slot_initial_value(int) const override { return 0.0f; }
+  std::string DebugString() const override {
+    return absl::StrFormat(
+        "rmsprop(learning_rate=%g, rho=%g, momentum=%g, epsilon=%g, centered=%s%s%s)",
+        o_.learning_rate, o_.rho, o_.momentum, o_.epsilon, o_.centered ? "true" : "false",
+        WeightDecaySuffix(o_), ScheduleSuffix(o_.schedule));
+  }
+  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
+             int64_t n) const override {
+    const FlushDenormalsScope flush_denormals;
+    const char* grad = static_cast<const char*>(grad_data);
+    const float lr = ScheduledRateAsFloat(o_, step);
+    DecayWeights(o_, param, n, lr);
+    // rho and momentum meet float32 tensors as Python floats (rounded);
+    // 1 - rho is Python arithmetic first.
+    int next = 1;
+    float* mom = o_.momentum > 0.0 ? slots[next++] : nullptr;
+    float* avg = o_.centered ? slots[next++] : nullptr;
+    RmspropKernel(param, slots[0], mom, avg, grad, n, lr, static_cast<float>(o_.rho),
+                  static_cast<float>(1.0 - o_.rho), static_cast<float>(o_.epsilon),
+                  static_cast<float>(o_.momentum));
+  }
+
+ private:
+  const OptimizerOptions o_;
+};
+
 // The comparisons are written so that NaN fails them. The options are
 // doubles, as Keras's are; the kernels round them to float32, so a value that
 // is fine as a double but becomes 0 or infinite in float32 (1e-50, 1e300) is
@@ -468,6 +529,15 @@ absl::Status Validate(const OptimizerOptions& o) {
     case OptimizerOptions::Kind::kAdagrad:
       if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
       return CheckNonNegative("initial_accumulator_value", o.initial_accumulator_value);
+    case OptimizerOptions::Kind::kRmsprop:
+      if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
+      if (!(o.rho >= 0.0 && o.rho <= 1.0)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("optimizer option rho (--rho) must be in [0, 1], got %g", o.rho));
+      }
+      if (o.momentum >= 0.0 && o.momentum <= 1.0) return absl::OkStatus();
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "optimizer option momentum (--momentum) must be in [0, 1], got %g", o.momentum));
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "optimizer option kind has unknown value ", static_cast<int>(o.kind)));
@@ -479,9 +549,10 @@ absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name)
   if (name == "adam") return OptimizerOptions::Kind::kAdam;
   if (name == "sgd") return OptimizerOptions::Kind::kSgd;
   if (name == "adagrad") return OptimizerOptions::Kind::kAdagrad;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown optimizer \"", absl::string_view(name.data(), name.size()),
-      "\"; expected one of: adam, sgd, adagrad"));
+  if (name == "rmsprop") return OptimizerOptions::Kind::kRmsprop;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown optimizer \"", absl::string_view(name.data(), name.size()),
+                   "\"; expected one of: adam, sgd, adagrad, rmsprop"));
 }
 
 absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name) {
@@ -490,7 +561,7 @@ absl::StatusOr<OptimizerName> ParseOptimizerName(std::string_view name) {
   if (!kind.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat("unknown optimizer \"", absl::string_view(name.data(), name.size()),
-                     "\"; expected one of: adam, adamw, sgd, adagrad"));
+                     "\"; expected one of: adam, adamw, sgd, adagrad, rmsprop"));
   }
   return OptimizerName{*kind, 0.0};
 }
@@ -503,6 +574,8 @@ std::string_view OptimizerKindName(OptimizerOptions::Kind kind) {
       return "sgd";
     case OptimizerOptions::Kind::kAdagrad:
       return "adagrad";
+    case OptimizerOptions::Kind::kRmsprop:
+      return "rmsprop";
   }
   return "unknown";
 }
@@ -599,6 +672,9 @@ absl::StatusOr<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerOpti
       break;
     case OptimizerOptions::Kind::kAdagrad:
       made = std::make_unique<Adagrad>(options);
+      break;
+    case OptimizerOptions::Kind::kRmsprop:
+      made = std::make_unique<Rmsprop>(options);
       break;
   }
   if (made == nullptr) return absl::InternalError("unreachable optimizer kind");

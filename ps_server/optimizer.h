@@ -18,6 +18,11 @@
 //            update (v itself goes on as above)
 //   Adagrad: acc += g * g
 //            p -= lr * g / sqrt(acc + epsilon)
+//   RMSprop: v = rho * v + (1 - rho) * g * g
+//            centered: a = rho * a + (1 - rho) * g, d = v - a * a + epsilon
+//            else:     d = v + epsilon
+//            momentum == 0: p -= lr * g / sqrt(d)
+//            otherwise:     u = momentum * u + lr * g / sqrt(d), p -= u
 //
 // Weight decay (Keras 3's weight_decay, which every optimizer takes, and
 // AdamW's): before the rule above, p = p - p * wd * lr, each product
@@ -114,7 +119,7 @@ struct LearningRateSchedule {
 };
 
 struct OptimizerOptions {
-  enum class Kind { kAdam, kSgd, kAdagrad };
+  enum class Kind { kAdam, kSgd, kAdagrad, kRmsprop };
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
   // Step size; all kinds. Must be finite and > 0, also in float32 (>= 0
@@ -129,15 +134,19 @@ struct OptimizerOptions {
   // Added to the denominator; Adam and Adagrad. Must be finite and > 0, also
   // in float32.
   double epsilon = 1e-7;
-  // SGD momentum in [0, 1] (Keras's range); 0 means plain SGD without a slot.
-  // Nesterov is accepted with momentum 0 (as Keras does) and then equals
-  // plain SGD.
+  // SGD and RMSprop momentum in [0, 1] (Keras's range for SGD); 0 means no
+  // momentum slot. Nesterov (SGD) is accepted with momentum 0 (as Keras
+  // does) and then equals plain SGD.
   double momentum = 0.0;
   bool nesterov = false;
   // Adagrad's starting accumulator value; finite and >= 0, also in float32.
   double initial_accumulator_value = 0.1;
   // Adam: keep the largest second moment seen (AMSGrad), a third slot.
   bool amsgrad = false;
+  // RMSprop: the decay of the mean square, in [0, 1]; centered also keeps
+  // the mean gradient and divides by the variance's root.
+  double rho = 0.9;
+  bool centered = false;
   // Decoupled weight decay, all kinds; finite and >= 0, also in float32
   // (0: none). Keras's AdamW is Adam with 0.004 (see ParseOptimizerName).
   double weight_decay = 0.0;
@@ -150,8 +159,8 @@ struct OptimizerOptions {
   std::vector<std::string> exclude_from_weight_decay;
 };
 
-// "adam", "sgd" or "adagrad" (exact, lower case). INVALID_ARGUMENT otherwise,
-// with a message listing the choices.
+// "adam", "sgd", "adagrad" or "rmsprop" (exact, lower case). INVALID_ARGUMENT
+// otherwise, with a message listing the choices.
 absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name);
 
 // What --optimizer names: a kind, or "adamw", which is Adam whose weight
@@ -193,7 +202,8 @@ class Optimizer {
 
   // Number of slot arrays per parameter: Adam 2 (m, v), 3 with amsgrad (m,
   // v, v_hat); SGD 1 (momentum) if momentum > 0, else 0; Adagrad 1
-  // (accumulator). Weight decay needs none.
+  // (accumulator); RMSprop 1 (v), plus the momentum if momentum > 0, plus
+  // the mean gradient if centered, in that order. Weight decay needs none.
   virtual int num_slots() const = 0;
   // The value each element of slot `slot` must start at: Adagrad's
   // initial_accumulator_value, 0 otherwise. 0 <= slot < num_slots().

@@ -61,6 +61,11 @@ CASES = [
         learning_rate=0.05, momentum=0.9, weight_decay=0.1), 0),
     ("adagrad_decay", lambda: keras.optimizers.Adagrad(
         learning_rate=0.1, weight_decay=0.1), 0),
+    ("rmsprop_default", lambda: keras.optimizers.RMSprop(), 0),
+    ("rmsprop_momentum", lambda: keras.optimizers.RMSprop(
+        learning_rate=0.01, rho=0.5, momentum=0.9, epsilon=1e-3), 0),
+    ("rmsprop_centered", lambda: keras.optimizers.RMSprop(
+        learning_rate=0.01, rho=0.5, momentum=0.9, centered=True, weight_decay=0.1), 0),
 ]
 
 

@@ -81,6 +81,29 @@ void AdagradReference(const OptimizerOptions& o, int64_t, std::vector<double>& p
   }
 }
 
+void RmspropReference(const OptimizerOptions& o, int64_t, std::vector<double>& p,
+                      std::vector<std::vector<double>>& s, const std::vector<double>& g) {
+  DecayReference(o, p);
+  const double rho = o.rho;
+  const int mom = o.momentum > 0 ? 1 : -1;
+  const int avg = o.centered ? (mom > 0 ? 2 : 1) : -1;
+  for (size_t i = 0; i < p.size(); ++i) {
+    s[0][i] = rho * s[0][i] + (1 - rho) * g[i] * g[i];
+    double d = s[0][i] + o.epsilon;
+    if (avg > 0) {
+      s[avg][i] = rho * s[avg][i] + (1 - rho) * g[i];
+      d -= s[avg][i] * s[avg][i];
+    }
+    const double increment = o.learning_rate * g[i] / std::sqrt(d);
+    if (mom > 0) {
+      s[mom][i] = o.momentum * s[mom][i] + increment;
+      p[i] -= s[mom][i];
+    } else {
+      p[i] -= increment;
+    }
+  }
+}
+
 // |got - want| <= rel * max(|want|, 1% of the array's largest |want|): tight
 // relative error, without demanding it of elements that happen to be ~0.
 void ExpectAllNear(const float* got, const std::vector<double>& want, double rel,
@@ -185,6 +208,21 @@ std::vector<Case> AllCases() {
   OptimizerOptions adagrad_decay = adagrad;
   adagrad_decay.weight_decay = 0.5;
   cases.push_back({"adagrad_decay", adagrad_decay, AdagradReference});
+  OptimizerOptions rmsprop;
+  rmsprop.kind = Kind::kRmsprop;
+  rmsprop.learning_rate = 0.01;
+  cases.push_back({"rmsprop_plain", rmsprop, RmspropReference});
+  OptimizerOptions rmsprop_centered = rmsprop;
+  rmsprop_centered.centered = true;
+  rmsprop_centered.rho = 0.5;
+  cases.push_back({"rmsprop_centered", rmsprop_centered, RmspropReference});
+  OptimizerOptions rmsprop_all = rmsprop_centered;
+  rmsprop_all.momentum = 0.9;
+  rmsprop_all.weight_decay = 0.5;
+  cases.push_back({"rmsprop_centered_momentum_decay", rmsprop_all, RmspropReference});
+  OptimizerOptions rmsprop_momentum = rmsprop;
+  rmsprop_momentum.momentum = 0.5;
+  cases.push_back({"rmsprop_momentum", rmsprop_momentum, RmspropReference});
   return cases;
 }
 
@@ -250,6 +288,18 @@ OptimizerOptions GoldenOptions(const std::string& name) {
       o.epsilon = 1e-4;
     }
     if (name == "adagrad_decay") o.weight_decay = 0.1;
+  } else if (name.rfind("rmsprop_", 0) == 0) {
+    o.kind = Kind::kRmsprop;
+    if (name != "rmsprop_default") {
+      o.learning_rate = 0.01;
+      o.rho = 0.5;
+      o.momentum = 0.9;
+    }
+    if (name == "rmsprop_momentum") o.epsilon = 1e-3;
+    if (name == "rmsprop_centered") {
+      o.centered = true;
+      o.weight_decay = 0.1;
+    }
   } else {
     EXPECT_TRUE(name == "adam_default" || name == "adam_late") << "unknown golden case " << name;
   }
@@ -257,7 +307,7 @@ OptimizerOptions GoldenOptions(const std::string& name) {
 }
 
 TEST(OptimizerTest, EqualsKerasBitForBit) {
-  ASSERT_EQ(std::size(kGolden), 13u);
+  ASSERT_EQ(std::size(kGolden), 16u);
   for (const Golden& want : kGolden) {
     SCOPED_TRACE(want.name);
     std::unique_ptr<Optimizer> opt = MustCreate(GoldenOptions(want.name));
@@ -310,6 +360,7 @@ TEST(OptimizerTest, DefaultLearningRatesAreKeras) {
   EXPECT_EQ(DefaultLearningRate(Kind::kAdam), 0.001);
   EXPECT_EQ(DefaultLearningRate(Kind::kSgd), 0.01);
   EXPECT_EQ(DefaultLearningRate(Kind::kAdagrad), 0.001);
+  EXPECT_EQ(DefaultLearningRate(Kind::kRmsprop), 0.001);
 }
 
 TEST(OptimizerTest, ZeroElementsIsANoOp) {
@@ -494,20 +545,30 @@ TEST(OptimizerTest, DebugString) {
   o.kind = Kind::kAdagrad;
   EXPECT_EQ(MustCreate(o)->DebugString(),
             "adagrad(learning_rate=0.01, initial_accumulator_value=0.1, epsilon=1e-07)");
+  o.kind = Kind::kRmsprop;
+  o.centered = true;
+  EXPECT_EQ(MustCreate(o)->DebugString(),
+            "rmsprop(learning_rate=0.01, rho=0.9, momentum=0.9, epsilon=1e-07, centered=true)");
+  EXPECT_EQ(MustCreate(o)->num_slots(), 3);  // v, momentum, mean gradient
+  o.momentum = 0;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 2);
+  o.centered = false;
+  EXPECT_EQ(MustCreate(o)->num_slots(), 1);
 }
 
 TEST(OptimizerTest, ParseOptimizerKind) {
   EXPECT_EQ(*ParseOptimizerKind("adam"), Kind::kAdam);
   EXPECT_EQ(*ParseOptimizerKind("sgd"), Kind::kSgd);
   EXPECT_EQ(*ParseOptimizerKind("adagrad"), Kind::kAdagrad);
-  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+  EXPECT_EQ(*ParseOptimizerKind("rmsprop"), Kind::kRmsprop);
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad, Kind::kRmsprop}) {
     EXPECT_EQ(*ParseOptimizerKind(OptimizerKindName(k)), k);
   }
-  absl::StatusOr<Kind> bad = ParseOptimizerKind("rmsprop");
+  absl::StatusOr<Kind> bad = ParseOptimizerKind("lion");
   ASSERT_FALSE(bad.ok());
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(),
-              AllOf(HasSubstr("rmsprop"), HasSubstr("adam"), HasSubstr("sgd"), HasSubstr("adagrad")));
+              HasSubstr("\"lion\"; expected one of: adam, sgd, adagrad, rmsprop"));
   EXPECT_FALSE(ParseOptimizerKind("Adam").ok());
   EXPECT_FALSE(ParseOptimizerKind("").ok());
 }
@@ -543,13 +604,14 @@ TEST(OptimizerTest, AmsgradMaximumKeepsNaNAsTensorFlowDoes) {
 TEST(OptimizerTest, ParseOptimizerNameTakesAdamWAsAdamWithKerasDecay) {
   EXPECT_EQ(ParseOptimizerName("adamw")->kind, Kind::kAdam);
   EXPECT_EQ(ParseOptimizerName("adamw")->default_weight_decay, 0.004);  // keras.optimizers.AdamW
-  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad, Kind::kRmsprop}) {
     EXPECT_EQ(ParseOptimizerName(OptimizerKindName(k))->kind, k);
     EXPECT_EQ(ParseOptimizerName(OptimizerKindName(k))->default_weight_decay, 0.0);
   }
   const absl::Status bad = ParseOptimizerName("AdamW").status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(bad.message(), HasSubstr("\"AdamW\"; expected one of: adam, adamw, sgd, adagrad"));
+  EXPECT_THAT(bad.message(),
+              HasSubstr("\"AdamW\"; expected one of: adam, adamw, sgd, adagrad, rmsprop"));
 }
 
 TEST(OptimizerTest, DebugStringNamesAmsgradAndWeightDecay) {
@@ -635,7 +697,7 @@ void ExpectInvalid(const OptimizerOptions& o, const std::string& field, const st
 TEST(OptimizerTest, RejectsBadOptions) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
-  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad, Kind::kRmsprop}) {
     // 1e300 and 1e-50 are fine doubles but infinite or 0 as the float32 the
     // kernels use.
     for (double lr : {0.0, -0.1, nan, inf, 1e300, 1e-50}) {
@@ -655,7 +717,7 @@ TEST(OptimizerTest, RejectsBadOptions) {
     o.beta_2 = beta;
     ExpectInvalid(o, "beta_2 (--beta_2)", "[0, 1)");
   }
-  for (Kind k : {Kind::kAdam, Kind::kAdagrad}) {
+  for (Kind k : {Kind::kAdam, Kind::kAdagrad, Kind::kRmsprop}) {
     for (double eps : {0.0, -1e-7, nan, inf, 1e-50}) {
       OptimizerOptions o;
       o.kind = k;
@@ -664,10 +726,18 @@ TEST(OptimizerTest, RejectsBadOptions) {
     }
   }
   for (double mu : {-0.5, 1.5, nan}) {
+    for (Kind k : {Kind::kSgd, Kind::kRmsprop}) {
+      OptimizerOptions o;
+      o.kind = k;
+      o.momentum = mu;
+      ExpectInvalid(o, "momentum (--momentum)", "[0, 1]");
+    }
+  }
+  for (double rho : {-0.1, 1.5, nan}) {
     OptimizerOptions o;
-    o.kind = Kind::kSgd;
-    o.momentum = mu;
-    ExpectInvalid(o, "momentum (--momentum)", "[0, 1]");
+    o.kind = Kind::kRmsprop;
+    o.rho = rho;
+    ExpectInvalid(o, "rho (--rho)", "[0, 1]");
   }
   for (double acc : {-0.1, nan, inf, 1e300}) {
     OptimizerOptions o;
@@ -675,7 +745,7 @@ TEST(OptimizerTest, RejectsBadOptions) {
     o.initial_accumulator_value = acc;
     ExpectInvalid(o, "initial_accumulator_value (--initial_accumulator_value)", ">= 0");
   }
-  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad, Kind::kRmsprop}) {
     for (double wd : {-0.004, nan, inf, 1e300}) {
       OptimizerOptions o;
       o.kind = k;
@@ -719,7 +789,7 @@ TEST(OptimizerTest, GradientAtAnyByteAlignmentGivesTheSameUpdate) {
   const int64_t n = 37;
   std::vector<float> g(n);
   for (int64_t i = 0; i < n; ++i) g[i] = 0.1f * static_cast<float>(i) - 1.7f;
-  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad}) {
+  for (Kind k : {Kind::kAdam, Kind::kSgd, Kind::kAdagrad, Kind::kRmsprop}) {
     OptimizerOptions o;
     o.kind = k;
     std::unique_ptr<Optimizer> opt = MustCreate(o);
