@@ -49,7 +49,7 @@ ABSL_FLAG(std::optional<int>, num_shards, std::nullopt,
           "given with a ps list, it must agree).");
 ABSL_FLAG(std::string, ps_hosts, "", "Comma-separated ps addresses (overrides TF_CONFIG).");
 ABSL_FLAG(std::string, optimizer, "adam",
-          "Optimizer applied to pushed gradients: adam|adamw|sgd|adagrad|rmsprop (adamw: "
+          "Optimizer applied to pushed gradients: adam|adamw|sgd|adagrad|rmsprop|lion (adamw: "
           "adam with --weight_decay defaulting to 0.004, as Keras' AdamW).");
 ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
           "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
@@ -79,13 +79,17 @@ ABSL_FLAG(bool, cycle, false,
           "polynomial: after --decay_steps, decay again from --learning_rate over the next "
           "multiple of --decay_steps.");
 ABSL_FLAG(std::vector<std::string>, piecewise_boundaries, {},
-          "piecewise_constant: comma-separated update counts at which the rate changes, "
-          "increasing.");
+          "piecewise_constant: Keras' boundaries, comma-separated and increasing, counted as "
+          "Keras counts iterations (the updates before this one): the rate is "
+          "--piecewise_values[i+1] from update boundaries[i] + 2 on.");
 ABSL_FLAG(std::vector<std::string>, piecewise_values, {},
           "piecewise_constant: comma-separated rates, one more than --piecewise_boundaries (up "
           "to the first boundary, between each two, after the last).");
-ABSL_FLAG(double, beta_1, 0.9, "Adam: decay of the first moment.");
-ABSL_FLAG(double, beta_2, 0.999, "Adam: decay of the second moment.");
+ABSL_FLAG(double, beta_1, 0.9,
+          "Adam: decay of the first moment; Lion: weight of the momentum in the update's sign.");
+ABSL_FLAG(std::optional<double>, beta_2, std::nullopt,
+          "Adam: decay of the second moment (default 0.999); Lion: decay of the momentum "
+          "(default 0.99).");
 ABSL_FLAG(double, epsilon, 1e-7, "Adam, Adagrad and RMSprop: epsilon (Keras default 1e-7).");
 ABSL_FLAG(double, momentum, 0.0, "SGD and RMSprop: momentum (0 = none).");
 ABSL_FLAG(double, rho, 0.9, "RMSprop: decay of the mean square of the gradients.");
@@ -103,8 +107,9 @@ ABSL_FLAG(std::vector<std::string>, exclude_from_weight_decay, {},
           "Variables not decayed: comma-separated regular expressions (RE2 syntax; none may "
           "hold a comma), each searched anywhere in the variable's whole name, such as "
           "dense/bias (e.g. bias leaves every bias alone). Keras' "
-          "exclude_from_weight_decay(var_names=...) searches only the last part, bias: "
-          "unanchored patterns mean the same in both.");
+          "exclude_from_weight_decay(var_names=...) searches only the last part (bias): a "
+          "pattern that can match only within it means the same in both, while dense "
+          "excludes every variable of the layer here and none in Keras.");
 ABSL_FLAG(int, threads, 0,
           "Most calls that register, pull or push served at once (0 = no limit); more wait "
           "their turn, in arrival order, until their deadline, rather than fail. GetStatus and "
@@ -161,8 +166,8 @@ void WarnAboutUnreadFlags(const std::string& optimizer, const std::string& sched
     std::vector<std::string> readers;
   };
   const Reader readers[] = {
-      {"beta_1", "optimizer", {"adam", "adamw"}},
-      {"beta_2", "optimizer", {"adam", "adamw"}},
+      {"beta_1", "optimizer", {"adam", "adamw", "lion"}},
+      {"beta_2", "optimizer", {"adam", "adamw", "lion"}},
       {"epsilon", "optimizer", {"adam", "adamw", "adagrad", "rmsprop"}},
       {"amsgrad", "optimizer", {"adam", "adamw"}},
       {"momentum", "optimizer", {"sgd", "rmsprop"}},
@@ -231,16 +236,22 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   opt.schedule.end_learning_rate = absl::GetFlag(FLAGS_end_learning_rate);
   opt.schedule.power = absl::GetFlag(FLAGS_power);
   opt.schedule.cycle = absl::GetFlag(FLAGS_cycle);
+  // Read only where they are used (elsewhere they are warned about below).
+  const bool piecewise =
+      opt.schedule.kind == psflow::server::LearningRateSchedule::Kind::kPiecewiseConstant;
   for (const std::string& b : absl::GetFlag(FLAGS_piecewise_boundaries)) {
     int64_t step = 0;
+    if (!piecewise) break;
     if (!absl::SimpleAtoi(b, &step)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("--piecewise_boundaries: \"", b, "\" is not a whole number of updates"));
+          absl::StrCat("--piecewise_boundaries: \"", b,
+                       "\" is not a whole number of updates (of at most 64 bits)"));
     }
     opt.schedule.boundaries.push_back(step);
   }
   for (const std::string& v : absl::GetFlag(FLAGS_piecewise_values)) {
     double rate = 0;
+    if (!piecewise) break;
     if (!absl::SimpleAtod(v, &rate)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--piecewise_values: \"", v, "\" is not a number"));
@@ -262,7 +273,7 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
                  "--piecewise_values\n");
   }
   opt.beta_1 = absl::GetFlag(FLAGS_beta_1);
-  opt.beta_2 = absl::GetFlag(FLAGS_beta_2);
+  opt.beta_2 = absl::GetFlag(FLAGS_beta_2).value_or(psflow::server::DefaultBeta2(opt.kind));
   opt.epsilon = absl::GetFlag(FLAGS_epsilon);
   opt.momentum = absl::GetFlag(FLAGS_momentum);
   opt.rho = absl::GetFlag(FLAGS_rho);

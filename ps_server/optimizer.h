@@ -18,6 +18,9 @@
 //            update (v itself goes on as above)
 //   Adagrad: acc += g * g
 //            p -= lr * g / sqrt(acc + epsilon)
+//   Lion:    c = m * beta_1 + g * (1 - beta_1)   (1 - beta in float32 here)
+//            p -= lr * sign(c)
+//            m = m * beta_2 + g * (1 - beta_2)
 //   RMSprop: v = rho * v + (1 - rho) * g * g
 //            centered: a = rho * a + (1 - rho) * g, d = v - a * a + epsilon
 //            else:     d = v + epsilon
@@ -51,9 +54,12 @@
 //                 last boundary); lr itself is not read
 // with s = step - 1 and D = decay_steps (tf.keras.optimizers.schedules
 // CosineDecay, ExponentialDecay, PolynomialDecay, InverseTimeDecay and
-// PiecewiseConstantDecay). The schedule is computed in double and rounded
-// once, so a scheduled rate may differ from Keras's float32 one in the
-// last bit.
+// PiecewiseConstantDecay). The parameters are rounded to float32, as Keras
+// holds them, and the schedule is then computed in double and rounded once.
+// Keras computes it in float32, so the rates agree to a few ulp early in a
+// decay and drift apart where float32 loses precision (near the end of a
+// cosine or polynomial decay, where the result is a small difference, and
+// past 2^24 steps): there psflow's is the more accurate.
 //
 // Every hyper-parameter is a double, as Keras's are Python floats; each is
 // rounded to float32 where Keras rounds it. The kernels are compiled without
@@ -119,7 +125,7 @@ struct LearningRateSchedule {
 };
 
 struct OptimizerOptions {
-  enum class Kind { kAdam, kSgd, kAdagrad, kRmsprop };
+  enum class Kind { kAdam, kSgd, kAdagrad, kRmsprop, kLion };
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
   // Step size; all kinds. Must be finite and > 0, also in float32 (>= 0
@@ -129,7 +135,9 @@ struct OptimizerOptions {
   double learning_rate = 0.001;
   LearningRateSchedule schedule;
   // Adam's decay rates of the first and second moments, each in [0, 1), also
-  // in float32.
+  // in float32. Lion's interpolation (beta_1, in (0, 1]) and momentum decay
+  // (beta_2, in [0, 1]) rates; Keras's default beta_2 is 0.99 for Lion (see
+  // DefaultBeta2).
   double beta_1 = 0.9, beta_2 = 0.999;
   // Added to the denominator; Adam and Adagrad. Must be finite and > 0, also
   // in float32.
@@ -154,13 +162,14 @@ struct OptimizerOptions {
   // whole name, such as "dense/bias"): the variables whose name one of them
   // is found in are not decayed. Keras's exclude_from_weight_decay(var_names=
   // ...) searches its variable.name the same way, but that is only the last
-  // component ("bias"); an unanchored pattern means the same in both. Not
-  // empty (an empty pattern is found in every name).
+  // component ("bias"): a pattern that can match only within it means the
+  // same in both. Not empty (an empty pattern is found in every name). Read
+  // only with weight_decay > 0.
   std::vector<std::string> exclude_from_weight_decay;
 };
 
-// "adam", "sgd", "adagrad" or "rmsprop" (exact, lower case). INVALID_ARGUMENT
-// otherwise, with a message listing the choices.
+// "adam", "sgd", "adagrad", "rmsprop" or "lion" (exact, lower case).
+// INVALID_ARGUMENT otherwise, with a message listing the choices.
 absl::StatusOr<OptimizerOptions::Kind> ParseOptimizerKind(std::string_view name);
 
 // What --optimizer names: a kind, or "adamw", which is Adam whose weight
@@ -177,6 +186,9 @@ std::string_view OptimizerKindName(OptimizerOptions::Kind kind);
 
 // Keras's default learning rate for `kind`: 0.01 for SGD, 0.001 otherwise.
 double DefaultLearningRate(OptimizerOptions::Kind kind);
+
+// Keras's default beta_2 for `kind`: 0.99 for Lion, 0.999 otherwise.
+double DefaultBeta2(OptimizerOptions::Kind kind);
 
 // "constant", "cosine", "exponential", "polynomial", "inverse_time" or
 // "piecewise_constant"; INVALID_ARGUMENT listing the choices.
@@ -203,7 +215,8 @@ class Optimizer {
   // Number of slot arrays per parameter: Adam 2 (m, v), 3 with amsgrad (m,
   // v, v_hat); SGD 1 (momentum) if momentum > 0, else 0; Adagrad 1
   // (accumulator); RMSprop 1 (v), plus the momentum if momentum > 0, plus
-  // the mean gradient if centered, in that order. Weight decay needs none.
+  // the mean gradient if centered, in that order; Lion 1 (m). Weight decay
+  // needs none.
   virtual int num_slots() const = 0;
   // The value each element of slot `slot` must start at: Adagrad's
   // initial_accumulator_value, 0 otherwise. 0 <= slot < num_slots().

@@ -385,6 +385,7 @@ absl::StatusOr<std::unique_ptr<VariableStore>> VariableStore::Create(
   if (options.optimizer.weight_decay != 0.0) {
     OptimizerOptions without = options.optimizer;
     without.weight_decay = 0.0;
+    without.exclude_from_weight_decay.clear();
     PSFLOW_ASSIGN_OR_RETURN(undecayed, Optimizer::Create(without));
   }
   return std::unique_ptr<VariableStore>(

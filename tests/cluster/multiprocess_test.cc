@@ -474,7 +474,7 @@ TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
       // Adam's flags are read by adamw: no warning.
       {{"--optimizer=adamw", "--amsgrad", "--beta_1=0.8", "--exclude_from_weight_decay=bias,norm"},
        {"optimizer adam(learning_rate=0.001, beta_1=0.8, beta_2=0.999, epsilon=1e-07, "
-        "amsgrad=true, weight_decay=0.004, exclude_from_weight_decay=[bias, norm])"}},
+        "amsgrad=true, weight_decay=0.004, exclude_from_weight_decay=[\"bias\", \"norm\"])"}},
       {{"--optimizer=sgd", "--amsgrad", "--exclude_from_weight_decay=bias"},
        {"--amsgrad is ignored: only --optimizer=adam|adamw reads it, and it is sgd",
         "--exclude_from_weight_decay is ignored: there is no weight decay (--weight_decay is "
@@ -507,6 +507,64 @@ TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
       {PSFLOW_PS_SERVER_BIN, "--port=0", "--optimizer=adamw", "--exclude_from_weight_decay=bias,"});
   EXPECT_EQ(empty_code, 1) << empty_out;
   EXPECT_THAT(empty_out, ::testing::HasSubstr("has an empty pattern"));
+}
+
+// Every optimizer and schedule flag reaches the shard's optimizer: its
+// first line shows each value given (a flag dropped on the way would show
+// its default).
+TEST_F(MultiProcessTest, EveryOptimizerAndScheduleFlagReachesTheShard) {
+  struct Run {
+    std::vector<std::string> flags;
+    std::string optimizer;     // as the first line shows it
+    std::string warning = "";  // expected on stderr, if any
+  };
+  const Run runs[] = {
+      {{"--optimizer=rmsprop", "--learning_rate=0.002", "--rho=0.8", "--momentum=0.5",
+        "--epsilon=1e-05", "--centered"},
+       "rmsprop(learning_rate=0.002, rho=0.8, momentum=0.5, epsilon=1e-05, centered=true)"},
+      {{"--optimizer=lion"}, "lion(learning_rate=0.001, beta_1=0.9, beta_2=0.99)"},
+      {{"--optimizer=lion", "--beta_1=0.5", "--beta_2=0.7", "--weight_decay=0.01"},
+       "lion(learning_rate=0.001, beta_1=0.5, beta_2=0.7, weight_decay=0.01)"},
+      {{"--optimizer=sgd", "--learning_rate=0.5", "--learning_rate_schedule=polynomial",
+        "--decay_steps=50", "--end_learning_rate=1e-05", "--power=0.5", "--cycle"},
+       "sgd(learning_rate=0.5, momentum=0, nesterov=false, schedule=polynomial(decay_steps=50, "
+       "end_learning_rate=1e-05, power=0.5, cycle=true))"},
+      {{"--learning_rate=0", "--learning_rate_schedule=cosine", "--decay_steps=100",
+        "--cosine_alpha=0.1", "--warmup_steps=10", "--warmup_target=0.01"},
+       "schedule=cosine(decay_steps=100, alpha=0.1, warmup_steps=10, warmup_target=0.01))"},
+      {{"--learning_rate_schedule=inverse_time", "--decay_steps=7", "--decay_rate=0.25",
+        "--staircase"},
+       "schedule=inverse_time(decay_steps=7, decay_rate=0.25, staircase=true))"},
+      // The rate given is not read, and says so; 0 is no error then.
+      {{"--learning_rate=0", "--learning_rate_schedule=piecewise_constant",
+        "--piecewise_boundaries=100,200", "--piecewise_values=0.1,0.01,0.001"},
+       "schedule=piecewise_constant(boundaries=[100, 200], values=[0.1, 0.01, 0.001]))",
+       "--learning_rate is ignored: --learning_rate_schedule=piecewise_constant takes its rates "
+       "from --piecewise_values"},
+      // Lists for another schedule are not read (nor refused).
+      {{"--piecewise_values=abc"},
+       "adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)",
+       "--piecewise_values is ignored: only --learning_rate_schedule=piecewise_constant reads "
+       "it, and it is constant"},
+  };
+  for (const Run& run : runs) {
+    SCOPED_TRACE(absl::StrJoin(run.flags, " "));
+    const std::string log = dir_ + "/ps.log";
+    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--port=0"};
+    argv.insert(argv.end(), run.flags.begin(), run.flags.end());
+    const pid_t pid = Start(argv, "", log);
+    ASSERT_GT(pid, 0);
+    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
+    ::kill(pid, SIGTERM);
+    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+    const std::string text = ReadFile(log);
+    EXPECT_THAT(text, ::testing::HasSubstr(run.optimizer));
+    if (run.warning.empty()) {
+      EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("warning")));
+    } else {
+      EXPECT_THAT(text, ::testing::HasSubstr(run.warning));
+    }
+  }
 }
 
 // SIGTERM lets the calls in progress finish (5 s of grace); a second one

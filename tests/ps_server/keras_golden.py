@@ -66,6 +66,9 @@ CASES = [
         learning_rate=0.01, rho=0.5, momentum=0.9, epsilon=1e-3), 0),
     ("rmsprop_centered", lambda: keras.optimizers.RMSprop(
         learning_rate=0.01, rho=0.5, momentum=0.9, centered=True, weight_decay=0.1), 0),
+    ("lion_default", lambda: keras.optimizers.Lion(), 0),
+    ("lion_custom", lambda: keras.optimizers.Lion(
+        learning_rate=0.01, beta_1=0.3, beta_2=0.7, weight_decay=0.1), 0),
 ]
 
 
