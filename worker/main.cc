@@ -66,6 +66,15 @@ ABSL_FLAG(double, gpu_memory_limit_mb, 0,
           "libraries' handles, a few hundred MB, come on top (0: no cap).");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the initial values and the shuffling (same on every worker).");
 ABSL_FLAG(bool, overlap, true, "Overlap push/pull of one step with the compute of the next.");
+ABSL_FLAG(double, clipnorm, 0,
+          "Clip each variable's gradient to this L2 norm before pushing it, as Keras' clipnorm "
+          "(0: off; at most one of --clipnorm, --clipvalue, --global_clipnorm).");
+ABSL_FLAG(double, clipvalue, 0,
+          "Clip each gradient element to [-clipvalue, clipvalue] before pushing, as Keras' "
+          "clipvalue (0: off).");
+ABSL_FLAG(double, global_clipnorm, 0,
+          "Scale all of a step's gradients so that their joint L2 norm is at most this, before "
+          "pushing, as Keras' global_clipnorm (0: off).");
 ABSL_FLAG(bool, fused_push_pull, false,
           "Push the gradient and pull the new values in one PushPull call per ps shard, both "
           "directions at once (1.5-1.8x less communication time on a network link, about the "
@@ -236,6 +245,11 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--gpu_memory_limit_mb=", mb, "; expected 0 (no cap) to 1073741824 (1 PiB)")));
   }
+  psflow::worker::ClipOptions clip;
+  clip.clipnorm = absl::GetFlag(FLAGS_clipnorm);
+  clip.clipvalue = absl::GetFlag(FLAGS_clipvalue);
+  clip.global_clipnorm = absl::GetFlag(FLAGS_global_clipnorm);
+  if (absl::Status s = psflow::worker::ValidateClipOptions(clip); !s.ok()) return Fail(s);
   if (absl::GetFlag(FLAGS_wait_for_variables_s) < 0) {
     return Fail(absl::InvalidArgumentError(
         absl::StrCat("--wait_for_variables_s=", absl::GetFlag(FLAGS_wait_for_variables_s),
@@ -381,6 +395,7 @@ int main(int argc, char** argv) {
   options.overlap = absl::GetFlag(FLAGS_overlap);
   options.fused_push_pull = absl::GetFlag(FLAGS_fused_push_pull);
   options.wait_for_variables = absl::Seconds(absl::GetFlag(FLAGS_wait_for_variables_s));
+  options.clip = clip;
   options.progress_tty = isatty(fileno(stdout)) != 0;
   auto summary = Train(*model, backend->get(), client->get(), data->train, data->test, options);
   if (!summary.ok()) return Fail(summary.status());

@@ -195,6 +195,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     return absl::InvalidArgumentError(
         absl::StrCat(test.name, " has no examples; evaluation needs at least one"));
   }
+  PSFLOW_RETURN_IF_ERROR(ValidateClipOptions(options.clip));
   // Checked by every worker alike, before anything is registered: with more
   // workers than examples the first shard is empty, and the chief alone
   // would fail while the others wait for its variables.
@@ -239,6 +240,8 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   } keep_grads{std::make_unique<std::array<Buffers, 2>>(
       std::array<Buffers, 2>{Buffers(model), Buffers(model)})};
   std::array<Buffers, 2>& grads = *keep_grads.buffers;
+  std::vector<int64_t> sizes;  // of each variable, for clipping
+  for (const auto& v : model.variables) sizes.push_back(v.num_elements());
   if (options.is_chief) {
     PSFLOW_RETURN_IF_ERROR(WaitForShards(client, options));
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
@@ -302,6 +305,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                                          ", batch ", batch + 1, ")"));
     };
     absl::Time t = absl::Now();
+    // Clipping is part of pushing (on this thread, while the next step
+    // computes).
+    if (options.clip.enabled()) ClipGradients(options.clip, grads[g].ptrs, sizes);
     if (options.fused_push_pull) {
       absl::StatusOr<PullResult> r =
           client->PushPull(grads[g].cptrs, {step, read_version}, params[p].ptrs);

@@ -30,6 +30,7 @@
 #include "absl/time/time.h"
 #include "worker/backend.h"
 #include "worker/data/dataset.h"
+#include "worker/gradient_clip.h"
 #include "worker/model/model_def.h"
 #include "worker/ps_client.h"
 
@@ -48,6 +49,9 @@ struct TrainerOptions {
   // How long a worker waits for the cluster: the chief for every ps shard
   // to answer, the others for the chief to register the variables.
   absl::Duration wait_for_variables = absl::Minutes(5);
+  // Keras's clipnorm / clipvalue / global_clipnorm, applied to each step's
+  // gradient before it is pushed (gradient_clip.h).
+  ClipOptions clip;
   FILE* progress = stdout;  // Keras-style progress; nullptr for none
   bool progress_tty = false;  // rewrite one line with '\r' (a terminal)
 };

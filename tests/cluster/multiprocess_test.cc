@@ -389,6 +389,10 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
       // Used to become a cap of 0 bytes.
       {{worker, hosts[0], hosts[1], "--gpu_memory_limit_mb=inf"},
        "--gpu_memory_limit_mb=inf; expected 0 (no cap) to 1073741824 (1 PiB)"},
+      {{worker, hosts[0], hosts[1], "--clipnorm=1", "--global_clipnorm=5"},
+       "--clipnorm=1, --clipvalue=0 and --global_clipnorm=5: at most one may be set"},
+      {{worker, hosts[0], hosts[1], "--clipvalue=-0.5"},
+       "--clipvalue=-0.5; expected 0 (off) or a finite value > 0"},
       {{worker, hosts[0], hosts[1], "--wait_for_variables_s=-5"},
        "--wait_for_variables_s=-5; expected 0"},
       {{worker, hosts[0], hosts[1], "--max_chunk_bytes=2000000000"},

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -276,7 +277,9 @@ absl::StatusOr<OneShard> StartOneShard(const worker::ModelDef& model) {
 // go of it a whole deadline after the calls ended).
 class StillHeldClient : public worker::PsClient {
  public:
-  explicit StillHeldClient(std::unique_ptr<worker::PsClient> inner) : inner_(std::move(inner)) {}
+  // hold_at: the push that says so (3: the third), 0 for none.
+  explicit StillHeldClient(std::unique_ptr<worker::PsClient> inner, int hold_at = 3)
+      : inner_(std::move(inner)), hold_at_(hold_at) {}
   const PartitionPlan& plan() const override { return inner_->plan(); }
   absl::StatusOr<worker::RegisterResult> Register(
       absl::Span<const float* const> initial_values) override {
@@ -289,7 +292,12 @@ class StillHeldClient : public worker::PsClient {
     return inner_->Pull(values);
   }
   absl::Status Push(absl::Span<const float* const> grads, const worker::PushInfo& info) override {
-    if (++pushes_ < 3) return inner_->Push(grads, info);
+    if (++pushes_ == 1) {
+      for (size_t v = 0; v < grads.size(); ++v) {
+        first_values.emplace_back(grads[v], grads[v] + plan().variables()[v].num_elements());
+      }
+    }
+    if (hold_at_ == 0 || pushes_ < hold_at_) return inner_->Push(grads, info);
     held = {grads.begin(), grads.end()};
     for (size_t v = 0; v < grads.size(); ++v) {
       held_values.emplace_back(grads[v], grads[v] + plan().variables()[v].num_elements());
@@ -309,9 +317,11 @@ class StillHeldClient : public worker::PsClient {
   }
   std::vector<const float*> held;
   std::vector<std::vector<float>> held_values;  // what `held` pointed to when pushed
+  std::vector<std::vector<float>> first_values;  // the first push's gradient
 
  private:
   std::unique_ptr<worker::PsClient> inner_;
+  const int hold_at_;
   int pushes_ = 0;
 };
 
@@ -505,6 +515,40 @@ TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
     for (float g : pushed) any_nonzero |= g != 0.0f;
   }
   EXPECT_TRUE(any_nonzero) << "the pushed gradient was all zeros";
+}
+
+// Keras's clipping options reach the pushed gradient: the first push of a
+// run with clipvalue holds the gradient of the same run without it (same
+// initial values, same batch), clipped element by element.
+TEST(TrainerGradientTest, PushedGradientIsClippedAsAsked) {
+  const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
+  auto model = worker::ParseModel("flatten,dense:16:relu,dense:10", {8, 8, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  constexpr float kClip = 0.01f;
+  std::vector<std::vector<float>> first[2];
+  for (int clipped : {0, 1}) {
+    auto shard = StartOneShard(*model);  // a fresh shard: the same initial values
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    StillHeldClient client(std::move(shard->client), /*hold_at=*/0);
+    worker::TrainerOptions options = SixSteps();
+    options.train_steps = 1;
+    options.clip.clipvalue = clipped ? kClip : 0;
+    auto summary = worker::Train(*model, shard->backend.get(), &client, train, test, options);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    first[clipped] = client.first_values;
+  }
+  ASSERT_EQ(first[0].size(), first[1].size());
+  int beyond = 0;
+  for (size_t v = 0; v < first[0].size(); ++v) {
+    ASSERT_EQ(first[0][v].size(), first[1][v].size());
+    for (size_t i = 0; i < first[0][v].size(); ++i) {
+      const float g = first[0][v][i];
+      beyond += std::abs(g) > kClip;
+      ASSERT_EQ(first[1][v][i], std::clamp(g, -kClip, kClip))
+          << model->variables[v].name << "[" << i << "]";
+    }
+  }
+  EXPECT_GT(beyond, 0) << "no element was beyond the clip: the test would show nothing";
 }
 
 // Data that cannot be trained on or evaluated is refused by every worker
