@@ -63,7 +63,9 @@ ABSL_FLAG(int, batch, 5,
           "in batches of this size.");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Client chunk size.");
 ABSL_FLAG(std::string, transports, "tcp,unix", "Which transports to run.");
-ABSL_FLAG(std::string, optimizer, "adam", "Optimizer of the ps_server processes (adam|sgd|adagrad).");
+ABSL_FLAG(std::string, optimizer, "adam",
+          "Optimizer of the ps_server processes and of raw_opt (adam|sgd|adagrad|rmsprop|lion, "
+          "with their defaults).");
 ABSL_FLAG(std::vector<std::string>, shards, std::vector<std::string>({"1", "2"}),
           "Shard counts to run, comma-separated.");
 ABSL_FLAG(std::vector<std::string>, streams, std::vector<std::string>({"1"}),
@@ -777,6 +779,7 @@ int main(int argc, char** argv) {
   if (!kind.ok()) Die(std::string(kind.status().message()));
   optimizer_options.kind = *kind;
   optimizer_options.learning_rate = psflow::server::DefaultLearningRate(*kind);  // as ps_server
+  optimizer_options.beta_2 = psflow::server::DefaultBeta2(*kind);
   auto optimizer = psflow::server::Optimizer::Create(optimizer_options);
   if (!optimizer.ok()) Die(std::string(optimizer.status().message()));
   auto print = [&](const char* xport, const std::string& shards, const char* op,

@@ -116,7 +116,7 @@ void AdagradKernel(float* __restrict p, float* __restrict acc, const char* __res
 }
 
 // Lion: the sign of an interpolation of m and g, then m's update. sign is
-// TensorFlow's: 0 for 0, NaN for NaN.
+// TensorFlow's: +0 for either zero, NaN for NaN.
 PSFLOW_KERNEL_CLONES
 void LionKernel(float* __restrict p, float* __restrict m, const char* __restrict g, int64_t n,
                 float lr, float beta_1, float one_minus_beta_1, float beta_2,
@@ -124,7 +124,7 @@ void LionKernel(float* __restrict p, float* __restrict m, const char* __restrict
   for (int64_t i = 0; i < n; ++i) {
     const float gi = LoadFloat(g, i);
     const float c = m[i] * beta_1 + gi * one_minus_beta_1;
-    const float sign = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : c;
+    const float sign = c > 0.0f ? 1.0f : c < 0.0f ? -1.0f : c != c ? c : 0.0f;
     p[i] -= lr * sign;
     m[i] = m[i] * beta_2 + gi * one_minus_beta_2;
   }

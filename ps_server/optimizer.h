@@ -21,7 +21,7 @@
 //   Lion:    c = m * beta_1 + g * (1 - beta_1)   (1 - beta in float32 here)
 //            p -= lr * sign(c)
 //            m = m * beta_2 + g * (1 - beta_2)
-//   RMSprop: v = rho * v + (1 - rho) * g * g
+//   RMSprop: v = rho * v + (1 - rho) * (g * g)
 //            centered: a = rho * a + (1 - rho) * g, d = v - a * a + epsilon
 //            else:     d = v + epsilon
 //            momentum == 0: p -= lr * g / sqrt(d)
@@ -139,8 +139,8 @@ struct OptimizerOptions {
   // (beta_2, in [0, 1]) rates; Keras's default beta_2 is 0.99 for Lion (see
   // DefaultBeta2).
   double beta_1 = 0.9, beta_2 = 0.999;
-  // Added to the denominator; Adam and Adagrad. Must be finite and > 0, also
-  // in float32.
+  // Added to the denominator; Adam, Adagrad and RMSprop. Must be finite and
+  // > 0, also in float32.
   double epsilon = 1e-7;
   // SGD and RMSprop momentum in [0, 1] (Keras's range for SGD); 0 means no
   // momentum slot. Nesterov (SGD) is accepted with momentum 0 (as Keras

@@ -294,7 +294,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   }
 
   // Written by the comm thread between Start and Wait.
-  double push_s = 0, pull_s = 0, push_pull_s = 0;
+  double clip_s = 0, push_s = 0, pull_s = 0, push_pull_s = 0;
   int64_t read_version = read.max_version;
   // Pushes grads[g] and pulls into params[p]; an error says which call of
   // which step failed ("the push of step S (epoch E, batch B)", counted
@@ -305,9 +305,12 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                                          ", batch ", batch + 1, ")"));
     };
     absl::Time t = absl::Now();
-    // Clipping is part of pushing (on this thread, while the next step
-    // computes).
-    if (options.clip.enabled()) ClipGradients(options.clip, grads[g].ptrs, sizes);
+    // On this thread, while the next step computes.
+    if (options.clip.enabled()) {
+      ClipGradients(options.clip, grads[g].ptrs, sizes);
+      clip_s += Seconds(t);
+      t = absl::Now();
+    }
     if (options.fused_push_pull) {
       absl::StatusOr<PullResult> r =
           client->PushPull(grads[g].cptrs, {step, read_version}, params[p].ptrs);
@@ -408,6 +411,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     summary.epochs.push_back(e);
   }
   summary.steps = step;
+  summary.clip_s = clip_s;
   summary.push_s = push_s;
   summary.pull_s += pull_s;
   summary.push_pull_s = push_pull_s;
@@ -459,6 +463,7 @@ std::string SummaryToJson(const TrainSummary& s, const std::string& extra) {
   AppendNumber(&out, "wait_data_s", s.wait_data_s);
   AppendNumber(&out, "compute_s", s.compute_s);
   AppendNumber(&out, "wait_comm_s", s.wait_comm_s);
+  AppendNumber(&out, "clip_s", s.clip_s);
   AppendNumber(&out, "push_s", s.push_s);
   AppendNumber(&out, "pull_s", s.pull_s);
   AppendNumber(&out, "push_pull_s", s.push_pull_s);

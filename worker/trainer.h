@@ -76,12 +76,13 @@ struct TrainSummary {
   // and registering the model (chief), or waiting for the chief's
   // registration (setup_s; examples_per_sec leaves it out, as it does
   // eval_s). Main thread: waiting for a batch,
-  // computing, waiting for the communication thread; communication: push
-  // and pull themselves, or the fused PushPull calls (they overlap compute
-  // when overlap is on). pull_s also holds the initial pull and the pulls
-  // before each evaluation.
-  double setup_s = 0, wait_data_s = 0, compute_s = 0, wait_comm_s = 0, push_s = 0, pull_s = 0,
-         push_pull_s = 0, eval_s = 0;
+  // computing, waiting for the communication thread; communication:
+  // clipping the gradient (clip_s, with a ClipOptions set), push and pull
+  // themselves, or the fused PushPull calls (they overlap compute when
+  // overlap is on). pull_s also holds the initial pull and the pulls before
+  // each evaluation.
+  double setup_s = 0, wait_data_s = 0, compute_s = 0, wait_comm_s = 0, clip_s = 0, push_s = 0,
+         pull_s = 0, push_pull_s = 0, eval_s = 0;
   int64_t resident_bytes = 0, peak_resident_bytes = 0;
   std::vector<EpochSummary> epochs;
 };

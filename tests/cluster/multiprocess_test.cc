@@ -113,9 +113,9 @@ TEST_F(MultiProcessTest, TwoPsTwoWorkersThroughTfConfig) {
     EXPECT_TRUE(NoSanitizerReport(log));
     const std::string json = ReadFile(absl::StrCat(dir, "/worker-", i, ".json"));
     ASSERT_FALSE(json.empty()) << "worker " << i << " wrote no summary; log:\n" << log;
-    for (const char* key : {"test_accuracy", "test_loss", "steps", "examples_per_sec",
-                            "wall_seconds", "compute_s", "push_s", "pull_s", "push_pull_s",
-                            "resident_bytes"}) {
+    for (const char* key :
+         {"test_accuracy", "test_loss", "steps", "examples_per_sec", "wall_seconds", "compute_s",
+          "clip_s", "push_s", "pull_s", "push_pull_s", "resident_bytes"}) {
       EXPECT_GT(JsonNumber(json, key), -1e299) << key << " missing in " << json;
     }
     EXPECT_EQ(JsonNumber(json, "steps"), 150);

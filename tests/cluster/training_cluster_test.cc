@@ -292,11 +292,7 @@ class StillHeldClient : public worker::PsClient {
     return inner_->Pull(values);
   }
   absl::Status Push(absl::Span<const float* const> grads, const worker::PushInfo& info) override {
-    if (++pushes_ == 1) {
-      for (size_t v = 0; v < grads.size(); ++v) {
-        first_values.emplace_back(grads[v], grads[v] + plan().variables()[v].num_elements());
-      }
-    }
+    Record(grads);
     if (hold_at_ == 0 || pushes_ < hold_at_) return inner_->Push(grads, info);
     held = {grads.begin(), grads.end()};
     for (size_t v = 0; v < grads.size(); ++v) {
@@ -309,8 +305,11 @@ class StillHeldClient : public worker::PsClient {
   absl::StatusOr<worker::PullResult> PushPull(absl::Span<const float* const> grads,
                                               const worker::PushInfo& info,
                                               absl::Span<float* const> values) override {
-    return absl::UnimplementedError("not in this test");
+    if (hold_at_ != 0) return absl::UnimplementedError("not in this test");
+    Record(grads);
+    return inner_->PushPull(grads, info, values);
   }
+  int pushes() const { return pushes_; }
   using worker::PsClient::GetStatus;
   absl::StatusOr<std::vector<StatusResponse>> GetStatus(absl::Time deadline) override {
     return inner_->GetStatus(deadline);
@@ -318,8 +317,16 @@ class StillHeldClient : public worker::PsClient {
   std::vector<const float*> held;
   std::vector<std::vector<float>> held_values;  // what `held` pointed to when pushed
   std::vector<std::vector<float>> first_values;  // the first push's gradient
+  std::vector<std::vector<float>> last_values;   // the last push's
 
  private:
+  void Record(absl::Span<const float* const> grads) {
+    last_values.clear();
+    for (size_t v = 0; v < grads.size(); ++v) {
+      last_values.emplace_back(grads[v], grads[v] + plan().variables()[v].num_elements());
+    }
+    if (++pushes_ == 1) first_values = last_values;
+  }
   std::unique_ptr<worker::PsClient> inner_;
   const int hold_at_;
   int pushes_ = 0;
@@ -519,8 +526,11 @@ TEST(TrainerGradientTest, AGradientGrpcStillHoldsIsNeverFreed) {
 
 // Keras's clipping options reach the pushed gradient: the first push of a
 // run with clipvalue holds the gradient of the same run without it (same
-// initial values, same batch), clipped element by element.
-TEST(TrainerGradientTest, PushedGradientIsClippedAsAsked) {
+// initial values, same batch), clipped element by element; later pushes
+// stay within the clip too. Over Push, and over the fused PushPull.
+class TrainerClipTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(TrainerClipTest, PushedGradientIsClippedAsAsked) {
   const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
   auto model = worker::ParseModel("flatten,dense:16:relu,dense:10", {8, 8, 1});
   ASSERT_TRUE(model.ok()) << model.status();
@@ -531,11 +541,19 @@ TEST(TrainerGradientTest, PushedGradientIsClippedAsAsked) {
     ASSERT_TRUE(shard.ok()) << shard.status();
     StillHeldClient client(std::move(shard->client), /*hold_at=*/0);
     worker::TrainerOptions options = SixSteps();
-    options.train_steps = 1;
+    options.train_steps = 3;
+    options.fused_push_pull = GetParam();
     options.clip.clipvalue = clipped ? kClip : 0;
     auto summary = worker::Train(*model, shard->backend.get(), &client, train, test, options);
     ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->clip_s > 0, clipped == 1);
+    EXPECT_EQ(client.pushes(), 3);
     first[clipped] = client.first_values;
+    if (clipped) {
+      for (const auto& v : client.last_values) {
+        for (float g : v) ASSERT_LE(std::abs(g), kClip);
+      }
+    }
   }
   ASSERT_EQ(first[0].size(), first[1].size());
   int beyond = 0;
@@ -550,6 +568,11 @@ TEST(TrainerGradientTest, PushedGradientIsClippedAsAsked) {
   }
   EXPECT_GT(beyond, 0) << "no element was beyond the clip: the test would show nothing";
 }
+
+INSTANTIATE_TEST_SUITE_P(PushAndPushPull, TrainerClipTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Fused" : "Separate";
+                         });
 
 // Data that cannot be trained on or evaluated is refused by every worker
 // alike before the chief registers anything: with more workers than

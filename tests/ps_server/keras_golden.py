@@ -67,9 +67,28 @@ CASES = [
     ("rmsprop_centered", lambda: keras.optimizers.RMSprop(
         learning_rate=0.01, rho=0.5, momentum=0.9, centered=True, weight_decay=0.1), 0),
     ("lion_default", lambda: keras.optimizers.Lion(), 0),
+    # 1 - beta differs in float32 and in double for these betas (Lion takes
+    # float32's): its momentum slot shows which.
     ("lion_custom", lambda: keras.optimizers.Lion(
-        learning_rate=0.01, beta_1=0.3, beta_2=0.7, weight_decay=0.1), 0),
+        learning_rate=0.01, beta_1=0.85, beta_2=0.97, weight_decay=0.1), 0),
 ]
+
+# Cases whose first optimizer slot is recorded too, as a case "<name>/slot":
+# Lion's parameters move by lr * sign(...) only, which says little of its
+# momentum's rounding; RMSprop's v shows how 1 - rho is rounded.
+SLOT_CASES = {
+    "lion_default": lambda opt: opt._momentums[0],
+    "lion_custom": lambda opt: opt._momentums[0],
+    "rmsprop_default": lambda opt: opt._velocities[0],
+}
+
+
+def write_case(out, name, start, values):
+    bits = np.asarray(values, np.float32).view(np.uint32)
+    out.write('{"%s", %d, {\n' % (name, start))
+    for row in range(0, N, 8):
+        out.write("  " + ", ".join("0x%08x" % b for b in bits[row:row + 8]) + ",\n")
+    out.write("}},\n")
 
 
 def main():
@@ -85,11 +104,9 @@ def main():
         opt.iterations.assign(start)
         for s in range(STEPS):
             opt.apply_gradients([(tf.constant(grad(s)), v)])
-        bits = np.asarray(v.numpy(), np.float32).view(np.uint32)
-        out.write('{"%s", %d, {\n' % (name, start))
-        for row in range(0, N, 8):
-            out.write("  " + ", ".join("0x%08x" % b for b in bits[row:row + 8]) + ",\n")
-        out.write("}},\n")
+        write_case(out, name, start, v.numpy())
+        if name in SLOT_CASES:
+            write_case(out, name + "/slot", start, SLOT_CASES[name](opt).numpy())
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -311,8 +312,8 @@ OptimizerOptions GoldenOptions(const std::string& name) {
     o.beta_2 = DefaultBeta2(Kind::kLion);
     if (name == "lion_custom") {
       o.learning_rate = 0.01;
-      o.beta_1 = 0.3;
-      o.beta_2 = 0.7;
+      o.beta_1 = 0.85;
+      o.beta_2 = 0.97;
       o.weight_decay = 0.1;
     }
   } else if (name.rfind("rmsprop_", 0) == 0) {
@@ -334,10 +335,14 @@ OptimizerOptions GoldenOptions(const std::string& name) {
 }
 
 TEST(OptimizerTest, EqualsKerasBitForBit) {
-  ASSERT_EQ(std::size(kGolden), 18u);
+  ASSERT_EQ(std::size(kGolden), 21u);
   for (const Golden& want : kGolden) {
     SCOPED_TRACE(want.name);
-    std::unique_ptr<Optimizer> opt = MustCreate(GoldenOptions(want.name));
+    // "<case>/slot": the case's first optimizer slot, not its parameters.
+    std::string name = want.name;
+    const bool slot = absl::EndsWith(name, "/slot");
+    if (slot) name.resize(name.size() - 5);
+    std::unique_ptr<Optimizer> opt = MustCreate(GoldenOptions(name));
     ASSERT_NE(opt, nullptr);
     // Once in one call per step, once split at element 37 (vector loop
     // tails, a gradient at an odd byte offset): both must be exact.
@@ -366,16 +371,17 @@ TEST(OptimizerTest, EqualsKerasBitForBit) {
           opt->Apply(t, p.data() + cut, rest.data(), grad + 4 * cut, kGoldenN - cut);
         }
       }
+      const std::vector<float>& values = slot ? slots[0] : p;
       int mismatches = 0;
       for (int64_t i = 0; i < kGoldenN; ++i) {
         uint32_t got;
-        std::memcpy(&got, &p[i], 4);
+        std::memcpy(&got, &values[i], 4);
         if (got != want.bits[i] && ++mismatches <= 3) {
           float w;
           std::memcpy(&w, &want.bits[i], 4);
-          ADD_FAILURE() << "split=" << split << " param[" << i << "] = " << p[i]
-                        << ", Keras " << w << " (bits " << std::hex << got << " vs "
-                        << want.bits[i] << std::dec << ")";
+          ADD_FAILURE() << "split=" << split << (slot ? " slot[" : " param[") << i
+                        << "] = " << values[i] << ", Keras " << w << " (bits " << std::hex << got
+                        << " vs " << want.bits[i] << std::dec << ")";
         }
       }
       EXPECT_EQ(mismatches, 0) << "split=" << split;
@@ -764,6 +770,18 @@ TEST(OptimizerTest, RejectsBadOptions) {
       ExpectInvalid(o, "momentum (--momentum)", "[0, 1]");
     }
   }
+  for (double beta : {0.0, -0.1, 1.5, nan, 1e-50}) {  // Keras's Lion: beta_1 in (0, 1]
+    OptimizerOptions o;
+    o.kind = Kind::kLion;
+    o.beta_1 = beta;
+    ExpectInvalid(o, "beta_1 (--beta_1)", "(0, 1] for lion");
+  }
+  for (double beta : {-0.1, 1.5, nan}) {
+    OptimizerOptions o;
+    o.kind = Kind::kLion;
+    o.beta_2 = beta;
+    ExpectInvalid(o, "beta_2 (--beta_2)", "[0, 1] for lion");
+  }
   for (double rho : {-0.1, 1.5, nan}) {
     OptimizerOptions o;
     o.kind = Kind::kRmsprop;
@@ -792,6 +810,24 @@ TEST(OptimizerTest, RejectsBadOptions) {
   o.exclude_from_weight_decay = {"bias", ""};  // "bias," on the command line
   ExpectInvalid(o, "exclude_from_weight_decay (--exclude_from_weight_decay) has an empty pattern",
                 "a comma too many?");
+}
+
+// Lion's signs, as TensorFlow's sign: NaN stays NaN, and either zero gives
+// +0, so that a parameter at -0 with a zero step stays -0 as in Keras.
+TEST(OptimizerTest, LionSignIsTensorFlowsAtZeroAndNaN) {
+  OptimizerOptions o;
+  o.kind = Kind::kLion;
+  o.beta_2 = DefaultBeta2(Kind::kLion);
+  o.beta_1 = 1.0;  // c = m: the gradient does not reach the sign; beta_1 = 1 is allowed
+  std::unique_ptr<Optimizer> opt = MustCreate(o);
+  ASSERT_NE(opt, nullptr);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  float p[3] = {-0.0f, -0.0f, 1.0f}, m[3] = {0.0f, -0.0f, nan}, g[3] = {0, 0, 0};
+  float* slots[] = {m};
+  opt->Apply(1, p, slots, g, 3);
+  EXPECT_TRUE(std::signbit(p[0])) << "-0 - lr * sign(+0) is -0";
+  EXPECT_TRUE(std::signbit(p[1])) << "-0 - lr * sign(-0) is -0: sign(-0) is +0";
+  EXPECT_TRUE(std::isnan(p[2]));
 }
 
 TEST(OptimizerTest, AcceptsBoundaryOptionsAndIgnoresOtherKindsFields) {
