@@ -187,6 +187,11 @@ void BM_Adagrad(benchmark::State& state) {  // reads p, acc, g; writes p, acc
 void BM_Rmsprop(benchmark::State& state) {  // reads p, v, g; writes p, v
   RunOptimizer(state, OptimizerOptions::Kind::kRmsprop, 0.0f, 20);
 }
+void BM_Lion(benchmark::State& state) {  // reads p, m, g; writes p, m
+  OptimizerOptions o = Options(OptimizerOptions::Kind::kLion, 0.0f);
+  o.beta_2 = 0.99;
+  RunOptimizer(state, o, 20);
+}
 // Centered with momentum: reads p, v, u, a, g; writes p, v, u, a.
 void BM_RmspropCenteredMomentum(benchmark::State& state) {
   OptimizerOptions o = Options(OptimizerOptions::Kind::kRmsprop, 0.9f);
@@ -225,6 +230,7 @@ BENCHMARK(BM_SgdPlain)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_SgdMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_Adagrad)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_Rmsprop)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
+BENCHMARK(BM_Lion)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 BENCHMARK(BM_RmspropCenteredMomentum)->Arg(kOutOfCache)->Threads(1)->UseRealTime();
 
 // Prints as usual and keeps every repetition's rates for the summary, which
