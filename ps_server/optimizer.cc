@@ -244,15 +244,33 @@ std::string WeightDecaySuffix(const OptimizerOptions& o) {
   return out;
 }
 
-// Keras 3 decays each variable before its update, with the same learning
-// rate (ops.cast of weight_decay, a Python float, rounds it to float32).
-void DecayWeights(const OptimizerOptions& o, float* param, int64_t n, float lr) {
-  if (o.weight_decay != 0.0) WeightDecayKernel(param, n, static_cast<float>(o.weight_decay), lr);
-}
-
-class Adam final : public Optimizer {
+// What every rule does around its update, as TensorFlow and Keras 3 do:
+// denormals flushed, the learning rate of this update, and the decoupled
+// weight decay before the update, with the same rate (ops.cast of
+// weight_decay, a Python float, rounds it to float32).
+class Rule : public Optimizer {
  public:
-  explicit Adam(const OptimizerOptions& o) : o_(o) {}
+  explicit Rule(const OptimizerOptions& o) : o_(o) {}
+  void Apply(int64_t step, float* param, float* const* slots, const void* grad,
+             int64_t n) const final {
+    const FlushDenormalsScope flush_denormals;
+    const float lr = ScheduledRateAsFloat(o_, step);
+    if (o_.weight_decay != 0.0) {
+      WeightDecayKernel(param, n, static_cast<float>(o_.weight_decay), lr);
+    }
+    Update(step, lr, param, slots, static_cast<const char*>(grad), n);
+  }
+
+ protected:
+  // The rule itself, on the (decayed) parameters; `lr` is the float32 rate.
+  virtual void Update(int64_t step, float lr, float* param, float* const* slots, const char* grad,
+                      int64_t n) const = 0;
+  const OptimizerOptions o_;
+};
+
+class Adam final : public Rule {
+ public:
+  explicit Adam(const OptimizerOptions& o) : Rule(o) {}
   int num_slots() const override { return o_.amsgrad ? 3 : 2; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
@@ -261,10 +279,8 @@ class Adam final : public Optimizer {
                            o_.amsgrad ? ", amsgrad=true" : "", WeightDecaySuffix(o_),
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
-             int64_t n) const override {
-    const FlushDenormalsScope flush_denormals;
-    const char* grad = static_cast<const char*>(grad_data);
+  void Update(int64_t step, float lr, float* param, float* const* slots, const char* grad,
+              int64_t n) const override {
     // Bias correction folded into the step size, in float32 and in Keras's
     // order of operations: local_step = float(iterations + 1),
     // beta^local_step with float beta, alpha = lr * sqrt(1 - beta_2^t) /
@@ -273,9 +289,7 @@ class Adam final : public Optimizer {
     const float t = static_cast<float>(step);
     const float beta_1_power = std::pow(static_cast<float>(o_.beta_1), t);
     const float beta_2_power = std::pow(static_cast<float>(o_.beta_2), t);
-    const float lr = ScheduledRateAsFloat(o_, step);
     const float alpha = lr * std::sqrt(1.0f - beta_2_power) / (1.0f - beta_1_power);
-    DecayWeights(o_, param, n, lr);
     const float one_minus_beta_1 = static_cast<float>(1.0 - o_.beta_1);
     const float one_minus_beta_2 = static_cast<float>(1.0 - o_.beta_2);
     const float epsilon = static_cast<float>(o_.epsilon);
@@ -287,14 +301,11 @@ class Adam final : public Optimizer {
                  epsilon);
     }
   }
-
- private:
-  const OptimizerOptions o_;
 };
 
-class Sgd final : public Optimizer {
+class Sgd final : public Rule {
  public:
-  explicit Sgd(const OptimizerOptions& o) : o_(o) {}
+  explicit Sgd(const OptimizerOptions& o) : Rule(o) {}
   int num_slots() const override { return o_.momentum > 0.0 ? 1 : 0; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
@@ -302,13 +313,9 @@ class Sgd final : public Optimizer {
                            o_.momentum, o_.nesterov ? "true" : "false", WeightDecaySuffix(o_),
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
-             int64_t n) const override {
-    const FlushDenormalsScope flush_denormals;
-    const char* grad = static_cast<const char*>(grad_data);
-    const float lr = ScheduledRateAsFloat(o_, step);
+  void Update(int64_t, float lr, float* param, float* const* slots, const char* grad,
+              int64_t n) const override {
     const float momentum = static_cast<float>(o_.momentum);
-    DecayWeights(o_, param, n, lr);
     if (o_.momentum == 0.0) {
       // Keras skips the momentum slot entirely here, nesterov or not.
       SgdKernel(param, grad, n, lr);
@@ -318,14 +325,11 @@ class Sgd final : public Optimizer {
       SgdMomentumKernel(param, slots[0], grad, n, lr, momentum);
     }
   }
-
- private:
-  const OptimizerOptions o_;
 };
 
-class Adagrad final : public Optimizer {
+class Adagrad final : public Rule {
  public:
-  explicit Adagrad(const OptimizerOptions& o) : o_(o) {}
+  explicit Adagrad(const OptimizerOptions& o) : Rule(o) {}
   int num_slots() const override { return 1; }
   float slot_initial_value(int) const override {
     return static_cast<float>(o_.initial_accumulator_value);
@@ -336,22 +340,15 @@ class Adagrad final : public Optimizer {
         o_.initial_accumulator_value, o_.epsilon, WeightDecaySuffix(o_),
         ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
-             int64_t n) const override {
-    const FlushDenormalsScope flush_denormals;
-    const char* grad = static_cast<const char*>(grad_data);
-    const float lr = ScheduledRateAsFloat(o_, step);
-    DecayWeights(o_, param, n, lr);
+  void Update(int64_t, float lr, float* param, float* const* slots, const char* grad,
+              int64_t n) const override {
     AdagradKernel(param, slots[0], grad, n, lr, static_cast<float>(o_.epsilon));
   }
-
- private:
-  const OptimizerOptions o_;
 };
 
-class Rmsprop final : public Optimizer {
+class Rmsprop final : public Rule {
  public:
-  explicit Rmsprop(const OptimizerOptions& o) : o_(o) {}
+  explicit Rmsprop(const OptimizerOptions& o) : Rule(o) {}
   int num_slots() const override { return 1 + (o_.momentum > 0.0) + o_.centered; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
@@ -360,12 +357,8 @@ class Rmsprop final : public Optimizer {
         o_.learning_rate, o_.rho, o_.momentum, o_.epsilon, o_.centered ? "true" : "false",
         WeightDecaySuffix(o_), ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
-             int64_t n) const override {
-    const FlushDenormalsScope flush_denormals;
-    const char* grad = static_cast<const char*>(grad_data);
-    const float lr = ScheduledRateAsFloat(o_, step);
-    DecayWeights(o_, param, n, lr);
+  void Update(int64_t, float lr, float* param, float* const* slots, const char* grad,
+              int64_t n) const override {
     // rho and momentum meet float32 tensors as Python floats (rounded);
     // 1 - rho is Python arithmetic first.
     int next = 1;
@@ -375,14 +368,11 @@ class Rmsprop final : public Optimizer {
                   static_cast<float>(1.0 - o_.rho), static_cast<float>(o_.epsilon),
                   static_cast<float>(o_.momentum));
   }
-
- private:
-  const OptimizerOptions o_;
 };
 
-class Lion final : public Optimizer {
+class Lion final : public Rule {
  public:
-  explicit Lion(const OptimizerOptions& o) : o_(o) {}
+  explicit Lion(const OptimizerOptions& o) : Rule(o) {}
   int num_slots() const override { return 1; }
   float slot_initial_value(int) const override { return 0.0f; }
   std::string DebugString() const override {
@@ -390,21 +380,14 @@ class Lion final : public Optimizer {
                            o_.beta_1, o_.beta_2, WeightDecaySuffix(o_),
                            ScheduleSuffix(o_.schedule));
   }
-  void Apply(int64_t step, float* param, float* const* slots, const void* grad_data,
-             int64_t n) const override {
-    const FlushDenormalsScope flush_denormals;
-    const char* grad = static_cast<const char*>(grad_data);
-    const float lr = ScheduledRateAsFloat(o_, step);
-    DecayWeights(o_, param, n, lr);
+  void Update(int64_t, float lr, float* param, float* const* slots, const char* grad,
+              int64_t n) const override {
     // Keras casts the betas to float32 first: 1 - beta is float32 here,
     // unlike Adam's.
     const float beta_1 = static_cast<float>(o_.beta_1);
     const float beta_2 = static_cast<float>(o_.beta_2);
     LionKernel(param, slots[0], grad, n, lr, beta_1, 1.0f - beta_1, beta_2, 1.0f - beta_2);
   }
-
- private:
-  const OptimizerOptions o_;
 };
 
 // The comparisons are written so that NaN fails them. The options are

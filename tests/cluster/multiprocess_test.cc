@@ -54,6 +54,27 @@ class MultiProcessTest : public ProcessTest {
     return {code, ReadFile(log)};
   }
 
+  // Starts ps_server with `flags` on a free port, waits for it to listen,
+  // stops it with SIGTERM and returns what it printed ("" after a failure,
+  // which is reported).
+  std::string StartedAndStoppedShardSays(const std::vector<std::string>& flags) {
+    const std::string log = absl::StrCat(dir_, "/run-", ++runs_, ".log");
+    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--port=0"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const pid_t pid = Start(argv, "", log);
+    if (pid <= 0) {
+      ADD_FAILURE() << "spawn failed";
+      return "";
+    }
+    if (!WaitForText(log, "listening on", pid, std::chrono::seconds(20))) {
+      ADD_FAILURE() << "never listened: " << ReadFile(log);
+      return "";
+    }
+    ::kill(pid, SIGTERM);
+    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
+    return ReadFile(log);
+  }
+
   // Starts a shard on a free loopback port, logging to `log`, and sets
   // `address` to where it listens; returns its pid, or 0 if it did not
   // start listening.
@@ -443,16 +464,9 @@ TEST_F(MultiProcessTest, PortInUseIsRefused) {
 // A hyper-parameter that the chosen optimizer or schedule does not read is
 // named in a warning (it changed nothing, silently).
 TEST_F(MultiProcessTest, FlagsTheChosenOptimizerDoesNotReadAreWarnedAbout) {
-  const std::string log = dir_ + "/ps.log";
-  const pid_t pid =
-      Start({PSFLOW_PS_SERVER_BIN, "--port=0", "--momentum=0.9", "--beta_1=0.8", "--decay_rate=0.5",
-             "--learning_rate_schedule=cosine", "--decay_steps=9", "--power=2", "--warmup_steps=3"},
-            "", log);
-  ASSERT_GT(pid, 0);
-  ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
-  ::kill(pid, SIGTERM);
-  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
-  const std::string text = ReadFile(log);
+  const std::string text = StartedAndStoppedShardSays(
+      {"--momentum=0.9", "--beta_1=0.8", "--decay_rate=0.5", "--learning_rate_schedule=cosine",
+       "--decay_steps=9", "--power=2", "--warmup_steps=3"});
   EXPECT_THAT(text, ::testing::HasSubstr(
                         "--momentum is ignored: only --optimizer=sgd|rmsprop reads it, and it "
                         "is adam"));
@@ -487,15 +501,7 @@ TEST_F(MultiProcessTest, AdamWAndItsFlagsAreNamedOrWarnedAbout) {
   };
   for (const Run& run : runs) {
     SCOPED_TRACE(absl::StrJoin(run.flags, " "));
-    const std::string log = dir_ + "/ps.log";
-    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--port=0"};
-    argv.insert(argv.end(), run.flags.begin(), run.flags.end());
-    const pid_t pid = Start(argv, "", log);
-    ASSERT_GT(pid, 0);
-    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
-    ::kill(pid, SIGTERM);
-    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
-    const std::string text = ReadFile(log);
+    const std::string text = StartedAndStoppedShardSays(run.flags);
     for (const std::string& said : run.said) EXPECT_THAT(text, ::testing::HasSubstr(said));
     if (run.said.size() == 1) {
       EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("ignored")));
@@ -553,15 +559,7 @@ TEST_F(MultiProcessTest, EveryOptimizerAndScheduleFlagReachesTheShard) {
   };
   for (const Run& run : runs) {
     SCOPED_TRACE(absl::StrJoin(run.flags, " "));
-    const std::string log = dir_ + "/ps.log";
-    std::vector<std::string> argv = {PSFLOW_PS_SERVER_BIN, "--port=0"};
-    argv.insert(argv.end(), run.flags.begin(), run.flags.end());
-    const pid_t pid = Start(argv, "", log);
-    ASSERT_GT(pid, 0);
-    ASSERT_TRUE(WaitForText(log, "listening on", pid, std::chrono::seconds(20))) << ReadFile(log);
-    ::kill(pid, SIGTERM);
-    EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << ReadFile(log);
-    const std::string text = ReadFile(log);
+    const std::string text = StartedAndStoppedShardSays(run.flags);
     EXPECT_THAT(text, ::testing::HasSubstr(run.optimizer));
     if (run.warning.empty()) {
       EXPECT_THAT(text, ::testing::Not(::testing::HasSubstr("warning")));
