@@ -53,7 +53,7 @@ ABSL_FLAG(std::string, optimizer, "adam",
           "adam with --weight_decay defaulting to 0.004, as Keras' AdamW).");
 ABSL_FLAG(std::optional<double>, learning_rate, std::nullopt,
           "Learning rate of the optimizer (default: Keras's for --optimizer, 0.01 for sgd and "
-          "0.001 for adam and adagrad).");
+          "0.001 for the others).");
 ABSL_FLAG(std::string, learning_rate_schedule, "constant",
           "How the learning rate changes with the update count: constant|cosine|exponential|"
           "polynomial|inverse_time|piecewise_constant (Keras' CosineDecay, ExponentialDecay, "
@@ -239,24 +239,24 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
   // Read only where they are used (elsewhere they are warned about below).
   const bool piecewise =
       opt.schedule.kind == psflow::server::LearningRateSchedule::Kind::kPiecewiseConstant;
-  for (const std::string& b : absl::GetFlag(FLAGS_piecewise_boundaries)) {
-    int64_t step = 0;
-    if (!piecewise) break;
-    if (!absl::SimpleAtoi(b, &step)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--piecewise_boundaries: \"", b,
-                       "\" is not a whole number of updates (of at most 64 bits)"));
+  if (piecewise) {
+    for (const std::string& b : absl::GetFlag(FLAGS_piecewise_boundaries)) {
+      int64_t step = 0;
+      if (!absl::SimpleAtoi(b, &step)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--piecewise_boundaries: \"", b,
+                         "\" is not a whole number of updates (of at most 64 bits)"));
+      }
+      opt.schedule.boundaries.push_back(step);
     }
-    opt.schedule.boundaries.push_back(step);
-  }
-  for (const std::string& v : absl::GetFlag(FLAGS_piecewise_values)) {
-    double rate = 0;
-    if (!piecewise) break;
-    if (!absl::SimpleAtod(v, &rate)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--piecewise_values: \"", v, "\" is not a number"));
+    for (const std::string& v : absl::GetFlag(FLAGS_piecewise_values)) {
+      double rate = 0;
+      if (!absl::SimpleAtod(v, &rate)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--piecewise_values: \"", v, "\" is not a number"));
+      }
+      opt.schedule.values.push_back(rate);
     }
-    opt.schedule.values.push_back(rate);
   }
   if (opt.schedule.kind == psflow::server::LearningRateSchedule::Kind::kCosine &&
       !opt.schedule.warmup_target.has_value() &&

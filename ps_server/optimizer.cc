@@ -417,6 +417,13 @@ absl::Status CheckNonNegative(const char* field, double value) {
       field, value));
 }
 
+// [0, 1] (momentum, RMSprop's rho, Lion's beta_2).
+absl::Status CheckUnitInterval(const char* field, double value) {
+  if (value >= 0.0 && value <= 1.0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrFormat("optimizer option %s (--%s) must be in [0, 1], got %g", field, field, value));
+}
+
 // [0, 1), and below 1 also once rounded to float32 (0.99999999 is not).
 absl::Status CheckBeta(const char* field, double value) {
   if (value >= 0.0 && value < 1.0 && static_cast<float>(value) < 1.0f) return absl::OkStatus();
@@ -460,12 +467,7 @@ absl::Status ValidatePiecewise(const LearningRateSchedule& s) {
     }
   }
   for (double v : s.values) {
-    if (v != 0.0 && !FinitePositiveInFloat(v)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "piecewise_constant values (--piecewise_values) must be finite and >= 0 (also as a "
-          "float32), got %g",
-          v));
-    }
+    if (absl::Status st = CheckNonNegative("piecewise_values", v); !st.ok()) return st;
   }
   return absl::OkStatus();
 }
@@ -557,9 +559,7 @@ absl::Status Validate(const OptimizerOptions& o) {
       if (absl::Status s = CheckBeta("beta_2", o.beta_2); !s.ok()) return s;
       return CheckPositive("epsilon", o.epsilon);
     case OptimizerOptions::Kind::kSgd:
-      if (o.momentum >= 0.0 && o.momentum <= 1.0) return absl::OkStatus();
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "optimizer option momentum (--momentum) must be in [0, 1], got %g", o.momentum));
+      return CheckUnitInterval("momentum", o.momentum);
     case OptimizerOptions::Kind::kAdagrad:
       if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
       return CheckNonNegative("initial_accumulator_value", o.initial_accumulator_value);
@@ -569,18 +569,11 @@ absl::Status Validate(const OptimizerOptions& o) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "optimizer option beta_1 (--beta_1) must be in (0, 1] for lion, got %g", o.beta_1));
       }
-      if (o.beta_2 >= 0.0 && o.beta_2 <= 1.0) return absl::OkStatus();
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "optimizer option beta_2 (--beta_2) must be in [0, 1] for lion, got %g", o.beta_2));
+      return CheckUnitInterval("beta_2", o.beta_2);
     case OptimizerOptions::Kind::kRmsprop:
       if (absl::Status s = CheckPositive("epsilon", o.epsilon); !s.ok()) return s;
-      if (!(o.rho >= 0.0 && o.rho <= 1.0)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("optimizer option rho (--rho) must be in [0, 1], got %g", o.rho));
-      }
-      if (o.momentum >= 0.0 && o.momentum <= 1.0) return absl::OkStatus();
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "optimizer option momentum (--momentum) must be in [0, 1], got %g", o.momentum));
+      if (absl::Status s = CheckUnitInterval("rho", o.rho); !s.ok()) return s;
+      return CheckUnitInterval("momentum", o.momentum);
   }
   return absl::InvalidArgumentError(absl::StrCat(
       "optimizer option kind has unknown value ", static_cast<int>(o.kind)));

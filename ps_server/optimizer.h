@@ -129,9 +129,10 @@ struct OptimizerOptions {
   // Which update rule. Only the fields that the kind uses are validated.
   Kind kind = Kind::kAdam;
   // Step size; all kinds. Must be finite and > 0, also in float32 (>= 0
-  // before a cosine warmup, which may start from 0). The initial rate when a
-  // schedule is set (piecewise_constant does not read it). (Keras's default is 0.001 for Adam
-  // and Adagrad, 0.01 for SGD: see DefaultLearningRate.)
+  // where a schedule may rise from it: a cosine warmup, polynomial). The
+  // initial rate when a schedule is set (piecewise_constant does not read
+  // it). Keras's default is 0.01 for SGD, 0.001 otherwise (see
+  // DefaultLearningRate).
   double learning_rate = 0.001;
   LearningRateSchedule schedule;
   // Adam's decay rates of the first and second moments, each in [0, 1), also

@@ -809,9 +809,8 @@ class GrpcPsClient final : public PsClient {
       if (before[s].parts_size() > 0 && before[s].parts(0).version() > 0) trained = s;
     }
     if (trained < 0) return absl::OkStatus();
-    const std::vector<StatusResponse>& statuses = now;
     for (int s = 0; s < plan_.num_shards(); ++s) {
-      const int64_t held = std::max<int64_t>(statuses[s].num_parts(), statuses[s].parts_size());
+      const int64_t held = std::max<int64_t>(now[s].num_parts(), now[s].parts_size());
       if (s == trained || held >= static_cast<int64_t>(shards_[s].parts.size())) continue;
       return absl::FailedPreconditionError(absl::StrFormat(
           "%s holds %d of its %d variables while %s holds trained ones (version %d): %s "

@@ -780,7 +780,7 @@ TEST(OptimizerTest, RejectsBadOptions) {
     OptimizerOptions o;
     o.kind = Kind::kLion;
     o.beta_2 = beta;
-    ExpectInvalid(o, "beta_2 (--beta_2)", "[0, 1] for lion");
+    ExpectInvalid(o, "beta_2 (--beta_2)", "must be in [0, 1], got");
   }
   for (double rho : {-0.1, 1.5, nan}) {
     OptimizerOptions o;
