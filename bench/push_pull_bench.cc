@@ -12,7 +12,9 @@
 // against 3.2x its parameter bytes + 64 MiB. The raw transfer, the push and
 // the pull take turns in batches (--batch), so that on a shared machine all
 // three see the same conditions, and each is reported with the CPU time it
-// cost the client and the shards.
+// cost the client and the shards. Where it was built with ZeroMQ it also
+// times the peer, ps-lite, as its transport pushes (with a sum) and
+// pulls the same bytes (zmq_push, zmq_pull).
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -31,14 +33,17 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <numeric>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -54,6 +59,10 @@
 #include "common/tensor_checks.h"
 #include "ps_server/optimizer.h"
 #include "worker/grpc_ps_client.h"
+
+#ifdef PSFLOW_HAVE_ZMQ
+#include <zmq.h>
+#endif
 
 ABSL_FLAG(std::string, ps_server, "", "Path of the ps_server binary (default: next to this one).");
 ABSL_FLAG(int, iterations, 30, "Timed iterations per measurement.");
@@ -98,6 +107,10 @@ ABSL_FLAG(bool, raw_conns, true,
           "When the push uses more than one connection (2 shards, or --streams above 1), also "
           "time raw_conns: the same bytes split evenly over as many plain sockets, sent by as "
           "many threads at once, so that the push and pull have a like-for-like reference.");
+ABSL_FLAG(bool, zmq, true,
+          "Also time zmq_push and zmq_pull: the issue's peer, ps-lite, as its ZeroMQ transport "
+          "pushes (a sum on the server) and pulls the same bytes (only where this program was "
+          "built with ZeroMQ, Debian's libzmq3-dev).");
 
 extern char** environ;
 
@@ -534,6 +547,151 @@ class RawLinks {
   std::vector<std::unique_ptr<RawLink>> links_;
 };
 
+#ifdef PSFLOW_HAVE_ZMQ
+// The peer, dmlc/ps-lite, as its ZeroMQ transport moves a push and
+// a pull of one large key to one server (zmq_push, zmq_pull): a reference
+// measured in the same run, next to raw. The worker end sends over a
+// DEALER socket, the server end receives on a ROUTER socket; each end has
+// its own context, with one I/O thread, as two ps-lite processes would.
+// As in ps-lite's ZMQVan and KVServerDefaultHandle:
+// - push: a small header frame, then the gradient as one frame that ZeroMQ
+//   sends from the caller's memory (zmq_msg_init_data, no copy); the server
+//   receives it whole into a message ZeroMQ allocates, adds it to its store
+//   (a sum, no NaN/Inf checks) and answers with a 1-byte frame;
+// - pull: the server copies its store into a freshly allocated response
+//   buffer, which ZeroMQ sends and frees; the worker copies the received
+//   frame into its own array.
+// It leaves out two things of ps-lite that would only slow it: the
+// meta-data's protobuf encoding and the hop from ps-lite's receiving
+// thread to its customer thread (the sum runs on the receiving thread).
+// Over unix sockets it uses ZeroMQ's ipc transport (ps-lite's DMLC_LOCAL).
+class ZmqLink {
+ public:
+  ZmqLink(bool unix_socket, size_t bytes)
+      : bytes_(bytes / 4 * 4), grad_(bytes_ / 4, 0.001f), values_(bytes_ / 4, 0.0f) {
+    server_context_ = zmq_ctx_new();
+    client_context_ = zmq_ctx_new();
+    router_ = zmq_socket(server_context_, ZMQ_ROUTER);
+    static std::atomic<int> links{0};  // one socket file per link
+    const std::string bind_to =
+        unix_socket ? absl::StrCat("ipc:///tmp/psflow_bench_zmq_", getpid(), "_", links++)
+                    : std::string("tcp://127.0.0.1:*");
+    if (router_ == nullptr || zmq_bind(router_, bind_to.c_str()) != 0) {
+      Die(absl::StrCat("zmq: cannot bind ", bind_to, ": ", zmq_strerror(zmq_errno())));
+    }
+    char endpoint[512] = {};
+    size_t size = sizeof(endpoint);
+    zmq_getsockopt(router_, ZMQ_LAST_ENDPOINT, endpoint, &size);
+    endpoint_ = endpoint;
+    // The socket moves to the server thread; starting a thread is the full
+    // memory barrier ZeroMQ asks for when a socket changes threads.
+    server_ = std::thread([this] { Serve(); });
+    dealer_ = zmq_socket(client_context_, ZMQ_DEALER);
+    if (dealer_ == nullptr || zmq_connect(dealer_, endpoint_.c_str()) != 0) {
+      Die(absl::StrCat("zmq: cannot connect to ", endpoint_, ": ", zmq_strerror(zmq_errno())));
+    }
+  }
+  ~ZmqLink() {
+    Send(dealer_, "Q", 1, 0);
+    server_.join();
+    zmq_close(dealer_);
+    zmq_close(router_);
+    zmq_ctx_term(client_context_);
+    zmq_ctx_term(server_context_);
+    if (absl::StartsWith(endpoint_, "ipc://")) ::unlink(endpoint_.c_str() + 6);
+  }
+
+  void Push() {
+    Send(dealer_, "P", 1, ZMQ_SNDMORE);
+    zmq_msg_t data;
+    // No copy: ZeroMQ sends from grad_, which stays as it is.
+    zmq_msg_init_data(&data, grad_.data(), bytes_, nullptr, nullptr);
+    SendMsg(dealer_, &data, 0);
+    zmq_msg_t ack;
+    zmq_msg_init(&ack);
+    RecvMsg(dealer_, &ack);
+    zmq_msg_close(&ack);
+  }
+
+  void Pull() {
+    Send(dealer_, "L", 1, 0);
+    zmq_msg_t data;
+    zmq_msg_init(&data);
+    RecvMsg(dealer_, &data);
+    if (zmq_msg_size(&data) != bytes_) Die("zmq: a pull of the wrong size");
+    std::memcpy(values_.data(), zmq_msg_data(&data), bytes_);
+    zmq_msg_close(&data);
+  }
+
+ private:
+  static void Send(void* socket, const char* p, size_t n, int flags) {
+    zmq_msg_t msg;
+    zmq_msg_init_size(&msg, n);
+    std::memcpy(zmq_msg_data(&msg), p, n);
+    SendMsg(socket, &msg, flags);
+  }
+  static void SendMsg(void* socket, zmq_msg_t* msg, int flags) {
+    while (zmq_msg_send(msg, socket, flags) < 0) {
+      if (zmq_errno() != EINTR) Die(absl::StrCat("zmq: send: ", zmq_strerror(zmq_errno())));
+    }
+  }
+  static void RecvMsg(void* socket, zmq_msg_t* msg) {
+    while (zmq_msg_recv(msg, socket, 0) < 0) {
+      if (zmq_errno() != EINTR) Die(absl::StrCat("zmq: recv: ", zmq_strerror(zmq_errno())));
+    }
+  }
+
+  // The server: [identity][op] or [identity]["P"][gradient] in, and the
+  // answer out to the same identity.
+  void Serve() {
+    std::vector<float> store(bytes_ / 4, 0.01f);
+    while (true) {
+      zmq_msg_t identity, op;
+      zmq_msg_init(&identity);
+      zmq_msg_init(&op);
+      RecvMsg(router_, &identity);
+      RecvMsg(router_, &op);
+      const char what = zmq_msg_size(&op) == 1 ? *static_cast<char*>(zmq_msg_data(&op)) : 0;
+      zmq_msg_close(&op);
+      if (what == 'Q') {
+        zmq_msg_close(&identity);
+        return;
+      }
+      if (what == 'P') {
+        zmq_msg_t data;
+        zmq_msg_init(&data);
+        RecvMsg(router_, &data);
+        if (zmq_msg_size(&data) != bytes_) Die("zmq: a push of the wrong size");
+        const float* g = static_cast<const float*>(zmq_msg_data(&data));
+        float* s = store.data();
+        for (size_t i = 0, n = store.size(); i < n; ++i) s[i] += g[i];
+        zmq_msg_close(&data);
+        SendMsg(router_, &identity, ZMQ_SNDMORE);
+        Send(router_, "A", 1, 0);
+      } else if (what == 'L') {
+        void* copy = std::malloc(bytes_);
+        if (copy == nullptr) Die("zmq: out of memory");
+        std::memcpy(copy, store.data(), bytes_);
+        zmq_msg_t data;
+        zmq_msg_init_data(
+            &data, copy, bytes_, [](void* p, void*) { std::free(p); }, nullptr);
+        SendMsg(router_, &identity, ZMQ_SNDMORE);
+        SendMsg(router_, &data, 0);
+      } else {
+        Die("zmq: an unknown request");
+      }
+    }
+  }
+
+  const size_t bytes_;
+  std::vector<float> grad_, values_;
+  void *server_context_ = nullptr, *client_context_ = nullptr;
+  void *router_ = nullptr, *dealer_ = nullptr;
+  std::string endpoint_;
+  std::thread server_;
+};
+#endif  // PSFLOW_HAVE_ZMQ
+
 // ---- ps_server processes ----
 
 int FreePort() {
@@ -614,25 +772,45 @@ int64_t TotalElements(const std::vector<psflow::VariableSpec>& vars) {
 }
 
 struct Run {
-  Timing raw, raw_opt, raw_pipe, raw_conns, push, pull, push_pull;
+  Timing raw, raw_opt, raw_pipe, raw_conns, zmq_push, zmq_pull, push, pull, push_pull;
   std::vector<psflow::StatusResponse> status;
 };
 
+#ifndef PSFLOW_HAVE_ZMQ
+class ZmqLink;  // built without ZeroMQ: never made
+#endif
+
+// The references timed in the same rounds as the push and pull; each one
+// that is null is not timed.
+struct References {
+  RawLink* raw = nullptr;
+  RawLink* raw_opt = nullptr;
+  RawLink* raw_pipe = nullptr;
+  RawLinks* raw_conns = nullptr;
+  ZmqLink* zmq = nullptr;
+};
+
 // Starts `shards` ps_server processes, registers `vars`, and times the
-// operations of --ops. With `raw` the socket transfer is timed too. Each
-// round runs a batch of every operation in turn, so all of them see the
-// same state of this shared machine; their ratios are what the run reports.
+// operations of --ops, and the references in `refs`. Each round runs a
+// batch of every operation in turn, so all of them see the same state of
+// this shared machine; their ratios are what the run reports.
 Run RunModel(const std::string& binary, int shards, bool unix_socket,
-             const std::vector<psflow::VariableSpec>& vars, RawLink* raw, int streams = 1,
-             RawLink* raw_opt = nullptr, RawLink* raw_pipe = nullptr,
-             RawLinks* raw_conns = nullptr) {
+             const std::vector<psflow::VariableSpec>& vars, References refs, int streams = 1) {
   const int warmup = absl::GetFlag(FLAGS_warmup), iterations = absl::GetFlag(FLAGS_iterations);
   const int batch = std::max(1, std::min(absl::GetFlag(FLAGS_batch), iterations));
   const std::string ops = absl::GetFlag(FLAGS_ops);
   const bool do_push = absl::StrContains(absl::StrCat(",", ops, ","), ",push,");
   const bool do_pull = absl::StrContains(absl::StrCat(",", ops, ","), ",pull,");
   const bool do_push_pull = ops.find("pushpull") != std::string::npos;
-  if (!do_push && !do_push_pull) raw_opt = raw_pipe = nullptr;  // nothing to compare them with
+  if (!do_push && !do_push_pull) refs.raw_opt = refs.raw_pipe = nullptr;  // nothing to compare
+  RawLink *raw = refs.raw, *raw_opt = refs.raw_opt, *raw_pipe = refs.raw_pipe;
+  RawLinks* raw_conns = refs.raw_conns;
+  // ps-lite's push and pull, each where psflow's is timed.
+  std::function<void()> zmq_push, zmq_pull;
+#ifdef PSFLOW_HAVE_ZMQ
+  if (refs.zmq != nullptr && (do_push || do_push_pull)) zmq_push = [&] { refs.zmq->Push(); };
+  if (refs.zmq != nullptr && do_pull) zmq_pull = [&] { refs.zmq->Pull(); };
+#endif
   Cluster cluster;
   StartCluster(binary, shards, unix_socket, &cluster);
   psflow::worker::GrpcPsClientOptions options;
@@ -705,12 +883,14 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
     if (raw_opt != nullptr) raw_opt->Transfer();
     if (raw_pipe != nullptr) raw_pipe->Transfer();
     if (raw_conns != nullptr) raw_conns->Transfer();
+    if (zmq_push) zmq_push();
+    if (zmq_pull) zmq_pull();
     if (do_push) push();
     if (do_pull) pull();
     if (do_push_pull) push_pull();
   }
-  OpStats raw_stats, raw_opt_stats, raw_pipe_stats, raw_conns_stats, push_stats, pull_stats,
-      push_pull_stats;
+  OpStats raw_stats, raw_opt_stats, raw_pipe_stats, raw_conns_stats, zmq_push_stats, zmq_pull_stats,
+      push_stats, pull_stats, push_pull_stats;
   for (int done = 0; done < iterations; done += batch) {
     const int n = std::min(batch, iterations - done);
     if (raw != nullptr) TimeBatch(n, [&] { raw->Transfer(); }, {}, &raw_stats);
@@ -721,6 +901,8 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
     if (raw_conns != nullptr)
       TimeBatch(
           n, [&] { raw_conns->Transfer(); }, {}, &raw_conns_stats);
+    if (zmq_push) TimeBatch(n, zmq_push, {}, &zmq_push_stats);
+    if (zmq_pull) TimeBatch(n, zmq_pull, {}, &zmq_pull_stats);
     if (do_push) TimeBatch(n, push, cluster.pids, &push_stats);
     if (do_pull) TimeBatch(n, pull, cluster.pids, &pull_stats);
     if (do_push_pull) TimeBatch(n, push_pull, cluster.pids, &push_pull_stats);
@@ -730,6 +912,8 @@ Run RunModel(const std::string& binary, int shards, bool unix_socket,
   run.raw_opt = Summarize(raw_opt_stats);
   run.raw_pipe = Summarize(raw_pipe_stats);
   run.raw_conns = Summarize(raw_conns_stats);
+  run.zmq_push = Summarize(zmq_push_stats);
+  run.zmq_pull = Summarize(zmq_pull_stats);
   run.push = Summarize(push_stats);
   run.pull = Summarize(pull_stats);
   run.push_pull = Summarize(push_pull_stats);
@@ -785,7 +969,8 @@ int main(int argc, char** argv) {
   auto print = [&](const char* xport, const std::string& shards, const char* op,
                    const Timing& t, const Timing& raw) {
     if (t.median_s == 0) return;  // not run (--ops)
-    const bool raw_like = absl::StartsWith(op, "raw");  // raw and raw_opt: this process only
+    // The references (raw*, zmq_*) run in this process only.
+    const bool raw_like = absl::StartsWith(op, "raw") || absl::StartsWith(op, "zmq");
     // With --clients=N an operation moves the model N times; a PushPull
     // moves it both ways.
     const double moved = raw_like ? bytes
@@ -829,6 +1014,13 @@ int main(int argc, char** argv) {
       raw_pipe = std::make_unique<RawLink>(unix_socket, static_cast<size_t>(bytes),
                                            optimizer->get(), chunk, /*pipelined=*/true);
     }
+#ifdef PSFLOW_HAVE_ZMQ
+    std::unique_ptr<ZmqLink> zmq;
+    // (Not with --netns: it would run on this namespace's loopback.)
+    if (absl::GetFlag(FLAGS_zmq) && absl::GetFlag(FLAGS_netns).empty()) {
+      zmq = std::make_unique<ZmqLink>(unix_socket, static_cast<size_t>(bytes));
+    }
+#endif
     for (const std::string& shards_text : absl::GetFlag(FLAGS_shards)) {
       for (const std::string& streams_text : absl::GetFlag(FLAGS_streams)) {
         int shards = 0, streams = 0;
@@ -848,12 +1040,20 @@ int main(int argc, char** argv) {
           raw_conns =
               std::make_unique<RawLinks>(unix_socket, static_cast<size_t>(bytes), shards * streams);
         }
-        Run run = RunModel(binary, shards, unix_socket, vars, &raw, streams, raw_opt.get(),
-                           raw_pipe.get(), raw_conns.get());
+        References refs{.raw = &raw,
+                        .raw_opt = raw_opt.get(),
+                        .raw_pipe = raw_pipe.get(),
+                        .raw_conns = raw_conns.get()};
+#ifdef PSFLOW_HAVE_ZMQ
+        refs.zmq = zmq.get();
+#endif
+        Run run = RunModel(binary, shards, unix_socket, vars, refs, streams);
         print(name, shard_flag, "raw", run.raw, run.raw);
         print(name, shard_flag, "raw_opt", run.raw_opt, run.raw);
         print(name, shard_flag, "raw_pipe", run.raw_pipe, run.raw);
         print(name, shard_flag, "raw_conns", run.raw_conns, run.raw);
+        print(name, shard_flag, "zmq_push", run.zmq_push, run.raw);
+        print(name, shard_flag, "zmq_pull", run.zmq_pull, run.raw);
         for (const auto& [reference, timing] :
              {std::pair{"raw_opt", &run.raw_opt}, std::pair{"raw_pipe", &run.raw_pipe}}) {
           if (timing->median_s == 0 || run.push.median_s == 0) continue;
@@ -866,6 +1066,20 @@ int main(int argc, char** argv) {
         print(name, shard_flag, "push", run.push, run.raw);
         print(name, shard_flag, "pull", run.pull, run.raw);
         print(name, shard_flag, "pushpull", run.push_pull, run.raw);
+        // psflow against the peer, per byte (with --clients=N psflow moves
+        // the model N times), on the same machine in the same rounds.
+        for (const auto& [op, timing, peer] : {std::tuple{"push", &run.push, &run.zmq_push},
+                                               std::tuple{"pull", &run.pull, &run.zmq_pull}}) {
+          if (timing->median_s == 0 || peer->median_s == 0) continue;
+          const double ratio =
+              std::max(1, absl::GetFlag(FLAGS_clients)) * peer->median_s / timing->median_s;
+          std::printf("       %s vs zmq_%s (ps-lite's transport, one server): %.2f\n", op, op,
+                      ratio);
+          std::printf(
+              "JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\","
+              "\"zmq_ms\":%.3f,\"vs_zmq\":%.3f}\n",
+              name, shard_flag.c_str(), op, peer->median_s * 1e3, ratio);
+        }
         if (run.raw_conns.median_s > 0) {
           // Per byte, as above: the push and pull against as many plain
           // connections as they use.
@@ -912,8 +1126,8 @@ int main(int argc, char** argv) {
   one.push_back({"all", {per * 200}});
   std::printf("\nsmall variables (tcp, 2 shards): 200 x %lld floats vs 1 x %lld floats\n",
               static_cast<long long>(per), static_cast<long long>(per * 200));
-  Run r_many = RunModel(binary, 2, false, many, nullptr);
-  Run r_one = RunModel(binary, 2, false, one, nullptr);
+  Run r_many = RunModel(binary, 2, false, many, {});
+  Run r_one = RunModel(binary, 2, false, one, {});
   const double t_many = r_many.push.median_s + r_many.pull.median_s;
   const double t_one = r_one.push.median_s + r_one.pull.median_s;
   std::printf("  push+pull median: 200 vars %.2f ms, 1 var %.2f ms, ratio %.2f (target <= 2)\n",

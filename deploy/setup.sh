@@ -9,6 +9,8 @@
 # CMake stops at find_package(dnnl). python3-grpcio and python3-protobuf are
 # for one test only: a client in Python, written from docs/PROTOCOL.md.
 # procps (pgrep, ps) is for the launcher's test; a minimal image lacks it.
+# libzmq3-dev is for one benchmark only: bench/push_pull_bench times the
+# issue's peer, ps-lite, over ZeroMQ, its transport, as a reference.
 set -euo pipefail
 packages=(
   build-essential cmake pkg-config git
@@ -17,6 +19,7 @@ packages=(
   libdnnl-dev ocl-icd-opencl-dev zlib1g-dev
   dataset-fashion-mnist
   python3-grpcio python3-protobuf procps
+  libzmq3-dev
 )
 missing=()
 for p in "${packages[@]}"; do
