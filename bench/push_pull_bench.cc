@@ -109,8 +109,8 @@ ABSL_FLAG(bool, raw_conns, true,
           "many threads at once, so that the push and pull have a like-for-like reference.");
 ABSL_FLAG(bool, zmq, true,
           "Also time zmq_push and zmq_pull: the issue's peer, ps-lite, as its ZeroMQ transport "
-          "pushes (a sum on the server) and pulls the same bytes (only where this program was "
-          "built with ZeroMQ, Debian's libzmq3-dev).");
+          "pushes (a sum on the servers) and pulls the same bytes, with as many servers as "
+          "shards (only where this program was built with ZeroMQ, Debian's libzmq3-dev).");
 
 extern char** environ;
 
@@ -549,17 +549,21 @@ class RawLinks {
 
 #ifdef PSFLOW_HAVE_ZMQ
 // The peer, dmlc/ps-lite, as its ZeroMQ transport moves a push and
-// a pull of one large key to one server (zmq_push, zmq_pull): a reference
-// measured in the same run, next to raw. The worker end sends over a
-// DEALER socket, the server end receives on a ROUTER socket; each end has
-// its own context, with one I/O thread, as two ps-lite processes would.
-// As in ps-lite's ZMQVan and KVServerDefaultHandle:
-// - push: a small header frame, then the gradient as one frame that ZeroMQ
-//   sends from the caller's memory (zmq_msg_init_data, no copy); the server
-//   receives it whole into a message ZeroMQ allocates, adds it to its store
-//   (a sum, no NaN/Inf checks) and answers with a 1-byte frame;
-// - pull: the server copies its store into a freshly allocated response
-//   buffer, which ZeroMQ sends and frees; the worker copies the received
+// a pull to `servers` servers (zmq_push, zmq_pull): a reference measured in
+// the same run, next to raw. Each server has its own ZeroMQ context (one
+// I/O thread), as a ps-lite process has, and a thread that receives on a
+// ROUTER socket; the worker has one context and a DEALER socket per
+// server. The bytes are split evenly over the servers (whole floats): an
+// ideal split, where ps-lite places each key whole on one server. As in
+// ps-lite's ZMQVan, KVWorker and KVServerDefaultHandle:
+// - push: to every server a small header frame, then its share of the
+//   gradient as one frame that ZeroMQ sends from the caller's memory
+//   (zmq_msg_init_data, no copy); each server receives it whole into a
+//   message ZeroMQ allocates, adds it to its store (a sum, no NaN/Inf
+//   checks) and answers with a 1-byte frame; the push ends with the last
+//   answer;
+// - pull: each server copies its store into a freshly allocated response
+//   buffer, which ZeroMQ sends and frees; the worker copies each received
 //   frame into its own array.
 // It leaves out two things of ps-lite that would only slow it: the
 // meta-data's protobuf encoding and the hop from ps-lite's receiving
@@ -567,67 +571,96 @@ class RawLinks {
 // Over unix sockets it uses ZeroMQ's ipc transport (ps-lite's DMLC_LOCAL).
 class ZmqLink {
  public:
-  ZmqLink(bool unix_socket, size_t bytes)
-      : bytes_(bytes / 4 * 4), grad_(bytes_ / 4, 0.001f), values_(bytes_ / 4, 0.0f) {
-    server_context_ = zmq_ctx_new();
+  ZmqLink(bool unix_socket, size_t bytes, int servers)
+      : grad_(bytes / 4, 0.001f), values_(bytes / 4, 0.0f) {
+    const size_t elements = bytes / 4, share = elements / servers;
     client_context_ = zmq_ctx_new();
-    router_ = zmq_socket(server_context_, ZMQ_ROUTER);
-    static std::atomic<int> links{0};  // one socket file per link
-    const std::string bind_to =
-        unix_socket ? absl::StrCat("ipc:///tmp/psflow_bench_zmq_", getpid(), "_", links++)
-                    : std::string("tcp://127.0.0.1:*");
-    if (router_ == nullptr || zmq_bind(router_, bind_to.c_str()) != 0) {
-      Die(absl::StrCat("zmq: cannot bind ", bind_to, ": ", zmq_strerror(zmq_errno())));
-    }
-    char endpoint[512] = {};
-    size_t size = sizeof(endpoint);
-    zmq_getsockopt(router_, ZMQ_LAST_ENDPOINT, endpoint, &size);
-    endpoint_ = endpoint;
-    // The socket moves to the server thread; starting a thread is the full
-    // memory barrier ZeroMQ asks for when a socket changes threads.
-    server_ = std::thread([this] { Serve(); });
-    dealer_ = zmq_socket(client_context_, ZMQ_DEALER);
-    if (dealer_ == nullptr || zmq_connect(dealer_, endpoint_.c_str()) != 0) {
-      Die(absl::StrCat("zmq: cannot connect to ", endpoint_, ": ", zmq_strerror(zmq_errno())));
+    for (int i = 0; i < servers; ++i) {
+      auto server = std::make_unique<Server>();
+      server->offset = share * i;
+      server->count = i + 1 < servers ? share : elements - share * (servers - 1);
+      server->context = zmq_ctx_new();
+      server->router = zmq_socket(server->context, ZMQ_ROUTER);
+      static std::atomic<int> links{0};  // one socket file per server
+      const std::string bind_to =
+          unix_socket ? absl::StrCat("ipc:///tmp/psflow_bench_zmq_", getpid(), "_", links++)
+                      : std::string("tcp://127.0.0.1:*");
+      if (server->router == nullptr || zmq_bind(server->router, bind_to.c_str()) != 0) {
+        Die(absl::StrCat("zmq: cannot bind ", bind_to, ": ", zmq_strerror(zmq_errno())));
+      }
+      char endpoint[512] = {};
+      size_t size = sizeof(endpoint);
+      zmq_getsockopt(server->router, ZMQ_LAST_ENDPOINT, endpoint, &size);
+      server->endpoint = endpoint;
+      // The socket moves to the server's thread; starting a thread is the
+      // full memory barrier ZeroMQ asks for when a socket changes threads.
+      server->thread = std::thread([s = server.get()] { Serve(s); });
+      void* dealer = zmq_socket(client_context_, ZMQ_DEALER);
+      if (dealer == nullptr || zmq_connect(dealer, server->endpoint.c_str()) != 0) {
+        Die(absl::StrCat("zmq: cannot connect to ", server->endpoint, ": ",
+                         zmq_strerror(zmq_errno())));
+      }
+      dealers_.push_back(dealer);
+      servers_.push_back(std::move(server));
     }
   }
   ~ZmqLink() {
-    Send(dealer_, "Q", 1, 0);
-    server_.join();
-    zmq_close(dealer_);
-    zmq_close(router_);
+    for (size_t i = 0; i < servers_.size(); ++i) {
+      Send(dealers_[i], "Q", 0);
+      servers_[i]->thread.join();
+      zmq_close(dealers_[i]);
+      zmq_close(servers_[i]->router);
+      zmq_ctx_term(servers_[i]->context);
+      if (absl::StartsWith(servers_[i]->endpoint, "ipc://")) {
+        ::unlink(servers_[i]->endpoint.c_str() + 6);
+      }
+    }
     zmq_ctx_term(client_context_);
-    zmq_ctx_term(server_context_);
-    if (absl::StartsWith(endpoint_, "ipc://")) ::unlink(endpoint_.c_str() + 6);
   }
 
   void Push() {
-    Send(dealer_, "P", 1, ZMQ_SNDMORE);
-    zmq_msg_t data;
-    // No copy: ZeroMQ sends from grad_, which stays as it is.
-    zmq_msg_init_data(&data, grad_.data(), bytes_, nullptr, nullptr);
-    SendMsg(dealer_, &data, 0);
-    zmq_msg_t ack;
-    zmq_msg_init(&ack);
-    RecvMsg(dealer_, &ack);
-    zmq_msg_close(&ack);
+    for (size_t i = 0; i < servers_.size(); ++i) {
+      Send(dealers_[i], "P", ZMQ_SNDMORE);
+      zmq_msg_t data;
+      // No copy: ZeroMQ sends from grad_, which stays as it is.
+      zmq_msg_init_data(&data, grad_.data() + servers_[i]->offset, servers_[i]->count * 4, nullptr,
+                        nullptr);
+      SendMsg(dealers_[i], &data, 0);
+    }
+    for (void* dealer : dealers_) {
+      zmq_msg_t ack;
+      zmq_msg_init(&ack);
+      RecvMsg(dealer, &ack);
+      zmq_msg_close(&ack);
+    }
   }
 
   void Pull() {
-    Send(dealer_, "L", 1, 0);
-    zmq_msg_t data;
-    zmq_msg_init(&data);
-    RecvMsg(dealer_, &data);
-    if (zmq_msg_size(&data) != bytes_) Die("zmq: a pull of the wrong size");
-    std::memcpy(values_.data(), zmq_msg_data(&data), bytes_);
-    zmq_msg_close(&data);
+    for (void* dealer : dealers_) Send(dealer, "L", 0);
+    for (size_t i = 0; i < servers_.size(); ++i) {
+      zmq_msg_t data;
+      zmq_msg_init(&data);
+      RecvMsg(dealers_[i], &data);
+      if (zmq_msg_size(&data) != servers_[i]->count * 4) Die("zmq: a pull of the wrong size");
+      std::memcpy(values_.data() + servers_[i]->offset, zmq_msg_data(&data), zmq_msg_size(&data));
+      zmq_msg_close(&data);
+    }
   }
 
  private:
-  static void Send(void* socket, const char* p, size_t n, int flags) {
+  struct Server {
+    size_t offset = 0, count = 0;  // its share, in floats
+    void* context = nullptr;
+    void* router = nullptr;
+    std::string endpoint;
+    std::thread thread;
+  };
+
+  // A one-byte frame.
+  static void Send(void* socket, const char* byte, int flags) {
     zmq_msg_t msg;
-    zmq_msg_init_size(&msg, n);
-    std::memcpy(zmq_msg_data(&msg), p, n);
+    zmq_msg_init_size(&msg, 1);
+    *static_cast<char*>(zmq_msg_data(&msg)) = *byte;
     SendMsg(socket, &msg, flags);
   }
   static void SendMsg(void* socket, zmq_msg_t* msg, int flags) {
@@ -641,16 +674,18 @@ class ZmqLink {
     }
   }
 
-  // The server: [identity][op] or [identity]["P"][gradient] in, and the
+  // A server: [identity][op] or [identity]["P"][gradient] in, and the
   // answer out to the same identity.
-  void Serve() {
-    std::vector<float> store(bytes_ / 4, 0.01f);
+  static void Serve(Server* server) {
+    void* router = server->router;
+    const size_t bytes = server->count * 4;
+    std::vector<float> store(server->count, 0.01f);
     while (true) {
       zmq_msg_t identity, op;
       zmq_msg_init(&identity);
       zmq_msg_init(&op);
-      RecvMsg(router_, &identity);
-      RecvMsg(router_, &op);
+      RecvMsg(router, &identity);
+      RecvMsg(router, &op);
       const char what = zmq_msg_size(&op) == 1 ? *static_cast<char*>(zmq_msg_data(&op)) : 0;
       zmq_msg_close(&op);
       if (what == 'Q') {
@@ -660,35 +695,33 @@ class ZmqLink {
       if (what == 'P') {
         zmq_msg_t data;
         zmq_msg_init(&data);
-        RecvMsg(router_, &data);
-        if (zmq_msg_size(&data) != bytes_) Die("zmq: a push of the wrong size");
+        RecvMsg(router, &data);
+        if (zmq_msg_size(&data) != bytes) Die("zmq: a push of the wrong size");
         const float* g = static_cast<const float*>(zmq_msg_data(&data));
         float* s = store.data();
         for (size_t i = 0, n = store.size(); i < n; ++i) s[i] += g[i];
         zmq_msg_close(&data);
-        SendMsg(router_, &identity, ZMQ_SNDMORE);
-        Send(router_, "A", 1, 0);
+        SendMsg(router, &identity, ZMQ_SNDMORE);
+        Send(router, "A", 0);
       } else if (what == 'L') {
-        void* copy = std::malloc(bytes_);
+        void* copy = std::malloc(bytes);
         if (copy == nullptr) Die("zmq: out of memory");
-        std::memcpy(copy, store.data(), bytes_);
+        std::memcpy(copy, store.data(), bytes);
         zmq_msg_t data;
         zmq_msg_init_data(
-            &data, copy, bytes_, [](void* p, void*) { std::free(p); }, nullptr);
-        SendMsg(router_, &identity, ZMQ_SNDMORE);
-        SendMsg(router_, &data, 0);
+            &data, copy, bytes, [](void* p, void*) { std::free(p); }, nullptr);
+        SendMsg(router, &identity, ZMQ_SNDMORE);
+        SendMsg(router, &data, 0);
       } else {
         Die("zmq: an unknown request");
       }
     }
   }
 
-  const size_t bytes_;
   std::vector<float> grad_, values_;
-  void *server_context_ = nullptr, *client_context_ = nullptr;
-  void *router_ = nullptr, *dealer_ = nullptr;
-  std::string endpoint_;
-  std::thread server_;
+  void* client_context_ = nullptr;
+  std::vector<void*> dealers_;  // one per server
+  std::vector<std::unique_ptr<Server>> servers_;
 };
 #endif  // PSFLOW_HAVE_ZMQ
 
@@ -1014,13 +1047,6 @@ int main(int argc, char** argv) {
       raw_pipe = std::make_unique<RawLink>(unix_socket, static_cast<size_t>(bytes),
                                            optimizer->get(), chunk, /*pipelined=*/true);
     }
-#ifdef PSFLOW_HAVE_ZMQ
-    std::unique_ptr<ZmqLink> zmq;
-    // (Not with --netns: it would run on this namespace's loopback.)
-    if (absl::GetFlag(FLAGS_zmq) && absl::GetFlag(FLAGS_netns).empty()) {
-      zmq = std::make_unique<ZmqLink>(unix_socket, static_cast<size_t>(bytes));
-    }
-#endif
     for (const std::string& shards_text : absl::GetFlag(FLAGS_shards)) {
       for (const std::string& streams_text : absl::GetFlag(FLAGS_streams)) {
         int shards = 0, streams = 0;
@@ -1045,6 +1071,12 @@ int main(int argc, char** argv) {
                         .raw_pipe = raw_pipe.get(),
                         .raw_conns = raw_conns.get()};
 #ifdef PSFLOW_HAVE_ZMQ
+        // The peer with as many servers as shards. (Not with --netns: it
+        // would run on this namespace's loopback.)
+        std::unique_ptr<ZmqLink> zmq;
+        if (absl::GetFlag(FLAGS_zmq) && absl::GetFlag(FLAGS_netns).empty()) {
+          zmq = std::make_unique<ZmqLink>(unix_socket, static_cast<size_t>(bytes), shards);
+        }
         refs.zmq = zmq.get();
 #endif
         Run run = RunModel(binary, shards, unix_socket, vars, refs, streams);
@@ -1073,8 +1105,8 @@ int main(int argc, char** argv) {
           if (timing->median_s == 0 || peer->median_s == 0) continue;
           const double ratio =
               std::max(1, absl::GetFlag(FLAGS_clients)) * peer->median_s / timing->median_s;
-          std::printf("       %s vs zmq_%s (ps-lite's transport, one server): %.2f\n", op, op,
-                      ratio);
+          std::printf("       %s vs zmq_%s (ps-lite's transport, %d servers): %.2f\n", op, op,
+                      shards, ratio);
           std::printf(
               "JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\","
               "\"zmq_ms\":%.3f,\"vs_zmq\":%.3f}\n",
