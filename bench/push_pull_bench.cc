@@ -550,12 +550,16 @@ class RawLinks {
 #ifdef PSFLOW_HAVE_ZMQ
 // The peer, dmlc/ps-lite, as its ZeroMQ transport moves a push and
 // a pull to `servers` servers (zmq_push, zmq_pull): a reference measured in
-// the same run, next to raw. Each server has its own ZeroMQ context (one
-// I/O thread), as a ps-lite process has, and a thread that receives on a
-// ROUTER socket; the worker has one context and a DEALER socket per
-// server. The bytes are split evenly over the servers (whole floats): an
-// ideal split, where ps-lite places each key whole on one server. As in
-// ps-lite's ZMQVan, KVWorker and KVServerDefaultHandle:
+// the same run, next to raw, and an upper bound on ps-lite's own speed.
+// Each server has its own ZeroMQ context (one I/O thread, as dmlc's ZMQVan
+// sets; with one connection only one would work anyway) and a thread that
+// receives on a ROUTER socket; the worker has one context and a DEALER
+// socket per server. The bytes are split evenly over the servers (whole
+// floats): an ideal split, where ps-lite places each key whole on one
+// server. As ps-lite's ZMQVan and KVWorker move them, to a server handle
+// that sums one large key's values (as MXNet's kvstore server registers;
+// ps-lite's own KVServerDefaultHandle keeps one float per key in a hash
+// map, and would take 2.77M keys and map updates per push):
 // - push: to every server a small header frame, then its share of the
 //   gradient as one frame that ZeroMQ sends from the caller's memory
 //   (zmq_msg_init_data, no copy); each server receives it whole into a
@@ -565,10 +569,15 @@ class RawLinks {
 // - pull: each server copies its store into a freshly allocated response
 //   buffer, which ZeroMQ sends and frees; the worker copies each received
 //   frame into its own array.
-// It leaves out two things of ps-lite that would only slow it: the
-// meta-data's protobuf encoding and the hop from ps-lite's receiving
-// thread to its customer thread (the sum runs on the receiving thread).
-// Over unix sockets it uses ZeroMQ's ipc transport (ps-lite's DMLC_LOCAL).
+// What it leaves out of ps-lite could only slow it: the meta-data's
+// protobuf encoding and the keys' frames; the hops from ps-lite's
+// receiving thread to its customer thread, on the server (the sum runs on
+// the receiving thread) and on the worker (answers are read on the calling
+// thread); the zeroing of a pull's response buffer (SArray::resize); and,
+// in newer ps-lite, receiving threads that poll their sockets. It also
+// shares this program's allocator tuning (large blocks reused, not mmapped
+// afresh). Over unix sockets it uses ZeroMQ's ipc transport (ps-lite's
+// DMLC_LOCAL).
 class ZmqLink {
  public:
   ZmqLink(bool unix_socket, size_t bytes, int servers)
@@ -605,9 +614,12 @@ class ZmqLink {
     }
   }
   ~ZmqLink() {
+    const int linger = 0;  // nothing is pending; never wait at zmq_ctx_term
     for (size_t i = 0; i < servers_.size(); ++i) {
       Send(dealers_[i], "Q", 0);
       servers_[i]->thread.join();
+      zmq_setsockopt(dealers_[i], ZMQ_LINGER, &linger, sizeof(linger));
+      zmq_setsockopt(servers_[i]->router, ZMQ_LINGER, &linger, sizeof(linger));
       zmq_close(dealers_[i]);
       zmq_close(servers_[i]->router);
       zmq_ctx_term(servers_[i]->context);
