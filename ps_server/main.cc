@@ -61,7 +61,8 @@ ABSL_FLAG(std::string, learning_rate_schedule, "constant",
           "part).");
 ABSL_FLAG(int64_t, decay_steps, 0,
           "cosine/exponential/polynomial/inverse_time: updates over which the rate decays "
-          "(required for those; the launcher sets it from the planned steps of all workers).");
+          "(required for those; deploy/local/train.sh sets it from the planned steps of all "
+          "workers).");
 ABSL_FLAG(double, cosine_alpha, 0.0, "cosine: the final rate as a fraction of --learning_rate.");
 ABSL_FLAG(int64_t, warmup_steps, 0,
           "cosine with --warmup_target: updates over which the rate rises linearly from "
@@ -135,8 +136,8 @@ ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "Most bytes of parameters and optimizer slots this shard holds; a registration "
           "beyond it is refused with RESOURCE_EXHAUSTED before anything is allocated (0 = the "
           "machine's memory, or the limit of this process's cgroup (container, Kubernetes pod) "
-          "where lower, less a tenth (at least 64 MiB) for the rest of the process; -1 = no "
-          "limit).");
+          "where lower, less a tenth (at least 64 MiB, at most half) for the rest of the process; "
+          "-1 = no limit).");
 ABSL_FLAG(double, request_id_retention_s, 900,
           "Seconds a push's request id is remembered, so that a retry of it is applied once "
           "(exactly once); the workers start no retry later than their own "
