@@ -1117,8 +1117,8 @@ int main(int argc, char** argv) {
           if (timing->median_s == 0 || peer->median_s == 0) continue;
           const double ratio =
               std::max(1, absl::GetFlag(FLAGS_clients)) * peer->median_s / timing->median_s;
-          std::printf("       %s vs zmq_%s (ps-lite's transport, %d servers): %.2f\n", op, op,
-                      shards, ratio);
+          std::printf("       %s vs zmq_%s (ps-lite's transport, %d server%s): %.2f\n", op, op,
+                      shards, shards == 1 ? "" : "s", ratio);
           std::printf(
               "JSON {\"transport\":\"%s\",\"shards\":\"%s\",\"op\":\"%s\","
               "\"zmq_ms\":%.3f,\"vs_zmq\":%.3f}\n",
