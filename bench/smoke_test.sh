@@ -17,7 +17,7 @@ fail() {
 }
 [ "$rc" -eq 0 ] || fail "push_pull_bench exited with status $rc"
 rows=(raw raw_opt raw_pipe push pull pushpull)
-lines=("push vs raw_opt" "push vs raw_pipe")
+lines=("push vs raw_opt" "push vs raw_pipe" "push: its CPU" "pull: its CPU")
 if [ "$with_zmq" = 1 ]; then
   rows+=(zmq_push zmq_pull)
   lines+=("push vs zmq_push" "pull vs zmq_pull")
