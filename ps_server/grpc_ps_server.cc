@@ -705,8 +705,23 @@ class PsServer::Service final : public grpc::Service {
                        "); a shard takes at most that much of part definitions at once"));
     };
     if (header_bytes > kMaxRegisterHeaderBytes) return too_long();
+    // Each part is checked as it is read: a part of 2 bytes on the wire
+    // takes about 80 in memory, so a header of malformed parts must be
+    // refused at the first, not held whole (valid parts take 10 or more).
     std::vector<PartDefinition> parts;
-    for (const PartDef& def : h.parts()) parts.push_back(FromProto(def));
+    auto add_parts = [&](const RegisterHeader& header) -> absl::Status {
+      for (const PartDef& def : header.parts()) {
+        parts.push_back(FromProto(def));
+        absl::Status valid = VariableStore::ValidateDefinition(parts.back());
+        if (!valid.ok()) {
+          return absl::Status(valid.code(), absl::StrCat("RegisterVariables: message ", index,
+                                                         ", part ", parts.size() - 1, ": ",
+                                                         valid.message(), "; nothing registered"));
+        }
+      }
+      return absl::OkStatus();
+    };
+    PSFLOW_RETURN_IF_ERROR(add_parts(h));
     got = true;
     while (msg.segments().empty()) {
       PSFLOW_ASSIGN_OR_RETURN(got, ReadRegister(reader, ++index, &msg));
@@ -723,7 +738,7 @@ class PsServer::Service final : public grpc::Service {
       }
       header_bytes += static_cast<int64_t>(more.ByteSizeLong());
       if (header_bytes > kMaxRegisterHeaderBytes) return too_long();
-      for (const PartDef& def : more.parts()) parts.push_back(FromProto(def));
+      PSFLOW_RETURN_IF_ERROR(add_parts(more));
       msg.clear_header();
     }
     PSFLOW_RETURN_IF_ERROR(CheckIncarnation(h.shard_incarnation(), "RegisterVariables"));

@@ -27,12 +27,19 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
 }
 
-absl::Status ValidateDefinition(const PartDefinition& def) {
+}  // namespace
+
+absl::Status VariableStore::ValidateDefinition(const PartDefinition& def) {
   if (def.variable.empty()) return absl::InvalidArgumentError("a part has an empty variable name");
-  if (def.variable.size() > VariableStore::kMaxVariableNameBytes) {
+  if (def.variable.size() > kMaxVariableNameBytes) {
     return absl::InvalidArgumentError(absl::StrCat(
         "variable '", absl::string_view(def.variable).substr(0, 64), "...' has a name of ",
-        def.variable.size(), " bytes; expected at most ", VariableStore::kMaxVariableNameBytes));
+        def.variable.size(), " bytes; expected at most ", kMaxVariableNameBytes));
+  }
+  if (def.variable_shape.size() > kMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("variable '", def.variable, "' has a shape of ", def.variable_shape.size(),
+                     " dimensions; expected at most ", kMaxRank, " (TensorFlow's limit)"));
   }
   // Every count derived from the shape (elements, bytes with the optimizer's
   // slots) must fit in 64 bits: at most 2^56 elements.
@@ -58,6 +65,14 @@ absl::Status ValidateDefinition(const PartDefinition& def) {
   }
   return absl::OkStatus();
 }
+
+int64_t VariableStore::PartOverheadBytes(const PartDefinition& def) {
+  const int64_t described =
+      static_cast<int64_t>(def.variable.size() + 8 * def.variable_shape.size());
+  return kPartBytes + std::max<int64_t>(0, described - 128);
+}
+
+namespace {
 
 using Ranges = std::vector<std::pair<int64_t, int64_t>>;
 using RangeMap = absl::btree_map<int64_t, int64_t>;  // as VariableStore::RangeMap
@@ -549,16 +564,17 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
     // overflows until a header lists thousands of such parts.
     // Each part also costs its record, name, locks and allocations: counted,
     // so that a model of many tiny parts cannot pass the limit (450,000
-    // one-element parts took 850 bytes each, where 12 were counted).
+    // one-element parts took 850 bytes each, where 12 were counted), and
+    // long names and shapes count their bytes (PartOverheadBytes).
     int64_t new_bytes = 0;
     for (const PartDefinition* def : new_parts) {
-      if (__builtin_add_overflow(new_bytes, def->num_elements() * element_bytes + kPartBytes,
+      if (__builtin_add_overflow(new_bytes,
+                                 def->num_elements() * element_bytes + PartOverheadBytes(*def),
                                  &new_bytes)) {
         new_bytes = INT64_MAX;
       }
     }
-    const int64_t held = parameter_bytes_.load() / 4 * element_bytes +
-                         static_cast<int64_t>(parts_.size()) * kPartBytes;
+    const int64_t held = parameter_bytes_.load() / 4 * element_bytes + part_overhead_bytes_;
     const int64_t room = max_variable_bytes_ - std::min(held, max_variable_bytes_);
     const int64_t unreserved = room - std::min(reserved_bytes_, room);
     if (new_bytes > unreserved) {
@@ -570,8 +586,8 @@ absl::StatusOr<std::unique_ptr<VariableStore::Registration>> VariableStore::Begi
           "registering ", new_parts.size(), " new part(s) (the largest ", largest.DebugString(),
           ") needs ", new_bytes, " bytes of parameters and optimizer slots (", element_bytes,
           " per element with ", optimizer_->DebugString(), ", and ", kPartBytes,
-          " per part) on ps shard ", options_.shard_index, ", which holds ", held,
-          " and may hold at most ", max_variable_bytes_,
+          " per part, more for names and shapes over 128 bytes) on ps shard ", options_.shard_index,
+          ", which holds ", held, " and may hold at most ", max_variable_bytes_,
           " (--max_variable_bytes; by default the machine's memory or its cgroup's limit)");
       if (new_bytes > room) {
         return absl::ResourceExhaustedError(absl::StrCat(
@@ -667,6 +683,7 @@ absl::StatusOr<RegisterResult> VariableStore::Registration::Commit() {
     }
     if (p.part == nullptr) continue;
     store_->parameter_bytes_ += p.part->num_elements * 4;
+    store_->part_overhead_bytes_ += PartOverheadBytes(p.part->def);
     p.part->index = static_cast<int64_t>(store_->parts_.size());
     store_->plan_fingerprint_ = p.part->def.plan_fingerprint;
     store_->parts_.emplace(name, std::move(p.part));

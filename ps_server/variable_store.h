@@ -162,6 +162,19 @@ class VariableStore {
   // of bytes): every answer that names variables (GetStatus pages, errors)
   // stays within gRPC's default limits.
   static constexpr size_t kMaxVariableNameBytes = 64 << 10;
+  // The most dimensions a variable may have, TensorFlow's own limit
+  // (TensorShape::MaxDimensions()): a part's record keeps its shape, and
+  // GetStatus pages and empty pulls copy it.
+  static constexpr size_t kMaxRank = 254;
+  // Checks one part's definition on its own (its name, shape and rows), as
+  // a registration does first. The RPC layer also checks each part as it
+  // reads a registration header, so that a header of malformed parts is
+  // refused at the first instead of being held whole in memory.
+  static absl::Status ValidateDefinition(const PartDefinition& def);
+  // What a part counts against max_variable_bytes beside its elements:
+  // kPartBytes, and its name and shape byte for byte beyond the first 128
+  // bytes of them (which kPartBytes covers).
+  static int64_t PartOverheadBytes(const PartDefinition& def);
 
  private:
   // A lock stripe's parameters: `home`, its place in the part's one
@@ -423,6 +436,8 @@ class VariableStore {
   // parameters and slots), counted against max_variable_bytes_ so that
   // registrations open at once cannot together exceed it.
   int64_t reserved_bytes_ ABSL_GUARDED_BY(parts_mu_) = 0;
+  // The held parts' PartOverheadBytes, summed.
+  int64_t part_overhead_bytes_ ABSL_GUARDED_BY(parts_mu_) = 0;
 
   mutable absl::Mutex ledger_mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<LedgerEntry>> ledger_ ABSL_GUARDED_BY(ledger_mu_);

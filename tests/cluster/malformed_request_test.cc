@@ -536,6 +536,29 @@ TEST_F(MalformedRequestTest, HugeShapeInARegistrationIsRefused) {
   EXPECT_EQ(State(0), State(1));
 }
 
+// A registration header's parts are checked as they are read: one of many
+// empty parts (2 bytes each on the wire, about 80 in memory) is refused at
+// the first, naming it, before the rest of the header is read.
+TEST_F(MalformedRequestTest, HeaderOfEmptyPartsIsRefusedAtTheFirst) {
+  RegisterRequest first, second;
+  for (RegisterRequest* msg : {&first, &second}) {
+    RegisterHeader* h = msg->mutable_header();
+    h->set_plan_fingerprint(Status(0).plan_fingerprint());
+    h->set_num_shards(1);
+  }
+  PartDef* good = first.mutable_header()->add_parts();
+  good->set_variable("fresh");
+  good->add_variable_shape(2);
+  good->set_row_end(2);
+  for (int i = 0; i < 100000; ++i) second.mutable_header()->add_parts();
+  const CallResult got = Call(channels_[0].get(), Method::kRegister,
+                              {first.SerializeAsString(), second.SerializeAsString()});
+  EXPECT_EQ(got.status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_THAT(got.status.error_message(),
+              ::testing::HasSubstr("message 1, part 1: a part has an empty variable name"));
+  EXPECT_EQ(State(0), State(1));
+}
+
 // A message that is not a RegisterRequest in the middle of a registration
 // ends it with INVALID_ARGUMENT (gRPC's typed reader would have ended the
 // stream there quietly, and the registration gone on without the rest).

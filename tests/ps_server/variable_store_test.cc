@@ -221,6 +221,22 @@ TEST(VariableStoreTest, BadDefinitionsAreInvalidArgument) {
   EXPECT_TRUE(store->ListParts().empty());
 }
 
+// A shape may have as many dimensions as TensorFlow allows (254), no more:
+// a part's record keeps its shape, and a header of a few MiB could
+// otherwise make one of millions of dimensions of 1.
+TEST(VariableStoreTest, ShapesOfMoreThan254DimensionsAreRefused) {
+  auto store = SgdStore();
+  const std::vector<int64_t> most(VariableStore::kMaxRank, 1);
+  std::vector<int64_t> too_many = most;
+  too_many.push_back(1);
+  auto refused = store->BeginRegistration(7, 1, 0, {Def("deep", too_many, 0, 1)});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.status().message(),
+              HasSubstr("'deep' has a shape of 255 dimensions; expected at most 254"));
+  EXPECT_TRUE(store->ListParts().empty());
+  EXPECT_TRUE(store->BeginRegistration(7, 1, 0, {Def("deep", most, 0, 1)}).ok());
+}
+
 // A registration that needs more memory than the shard may hold is refused
 // before anything is allocated, naming the part and the bytes.
 // Each part also counts VariableStore::kPartBytes (1024).
@@ -265,6 +281,34 @@ TEST(VariableStoreTest, ManyTinyPartsCountTheirOwnCost) {
   EXPECT_THAT(over.status().message(), HasSubstr("1024 per part"));
   defs.pop_back();
   EXPECT_TRUE((*store)->BeginRegistration(7, 1, 0, defs).ok());
+}
+
+// A long name or shape counts its bytes beyond the 128 that kPartBytes
+// covers: parts of 64 KiB names, counted as 1024 bytes each, passed the
+// limit 64 times over.
+TEST(VariableStoreTest, LongNamesCountTheirBytes) {
+  VariableStoreOptions options;  // Adam: 12 bytes per element
+  const int64_t short_part = 12 + VariableStore::kPartBytes;
+  options.max_variable_bytes = 4 * short_part;
+  auto store = VariableStore::Create(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const std::string long_name(4 * short_part, 'n');
+  EXPECT_EQ(VariableStore::PartOverheadBytes(Def(long_name, {1}, 0, 1)),
+            VariableStore::kPartBytes + static_cast<int64_t>(long_name.size()) + 8 - 128);
+  EXPECT_EQ(VariableStore::PartOverheadBytes(Def(std::string(120, 'n'), {1}, 0, 1)),
+            VariableStore::kPartBytes);
+  auto over = (*store)->BeginRegistration(7, 1, 0, {Def(long_name, {1}, 0, 1)});
+  ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_THAT(over.status().message(), HasSubstr("more for names and shapes over 128 bytes"));
+  // Held parts count theirs too: one of a 2 KiB name takes the room of
+  // almost three short parts (counted as one, three more would fit), so
+  // two more no longer fit, and one does.
+  RegisterFilled(store->get(), Def(std::string(2048, 'm'), {1}, 0, 1), 1.0f);
+  std::vector<PartDefinition> two = {Def("v0", {1}, 0, 1), Def("v1", {1}, 0, 1)};
+  EXPECT_EQ((*store)->BeginRegistration(7, 1, 0, two).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  two.pop_back();
+  EXPECT_TRUE((*store)->BeginRegistration(7, 1, 0, two).ok());
 }
 
 // Registrations open at the same moment reserve their bytes, so that
