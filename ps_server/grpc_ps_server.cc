@@ -13,8 +13,10 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <iterator>
 #include <memory>
+#include <new>
 #include <random>
 #include <string>
 #include <system_error>
@@ -316,7 +318,17 @@ class ApplierPool {
         task = std::move(queue_.front());
         queue_.pop_front();
       }
-      task.state->status = std::move(task.fn)();
+      // An exception (an allocation of the ledger's failing) must not end
+      // the server, as it would from this thread: the push is refused.
+      try {
+        task.state->status = std::move(task.fn)();
+      } catch (const std::bad_alloc&) {
+        task.state->status = absl::ResourceExhaustedError(
+            "the shard ran out of memory while applying a push message");
+      } catch (const std::exception& e) {
+        task.state->status =
+            absl::InternalError(absl::StrCat("applying a push message failed: ", e.what()));
+      }
       task.state->done.Notify();
     }
   }

@@ -973,13 +973,15 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     int64_t delta = (ranges - ranges_before) * kRangeBytes;
     if (progress->in_flight.empty() && ranges == 1 && progress->done.begin()->first == 0 &&
         progress->done.begin()->second == part->num_elements) {
-      // Every element applied: a bit instead of the Progress.
+      // Every element applied: a bit instead of the Progress. (The bit
+      // first: should setting it fail to allocate, the Progress still says
+      // what was applied, and a retry applies nothing twice.)
+      delta += SetBit(&entry_->complete, part->index);
       delta -= kProgressBytes + ranges * kRangeBytes;
       entry_->progress.erase(part);
       // An emptied hash map keeps its table: give it back, as most ids end
       // here and are then remembered for minutes.
       if (entry_->progress.empty()) entry_->progress = {};
-      delta += SetBit(&entry_->complete, part->index);
     }
     Account(delta);
   }
