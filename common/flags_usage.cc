@@ -1,5 +1,7 @@
 #include "common/flags_usage.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -161,6 +163,18 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program) {
 std::string BadValueProblem(int argc, char** argv) {
   for (const FlagArg& arg : FlagArgs(argc, argv)) {
     const absl::string_view name = arg.name;
+    // Abseil refuses a flag file it cannot open, but reads a directory as
+    // an empty file: every flag meant to be in it was lost without a word.
+    if (name == "flagfile" && arg.value) {
+      for (absl::string_view path : absl::StrSplit(*arg.value, ',', absl::SkipEmpty())) {
+        struct stat st;
+        if (stat(std::string(path).c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+          return absl::StrCat("--flagfile=", path,
+                              " is a directory; expected a file of flags, one --name=value "
+                              "per line");
+        }
+      }
+    }
     if (IsAbseilFlag(name)) continue;  // Abseil's own, checked by Abseil
     absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
     if (flag == nullptr || flag->IsRetired()) continue;  // --noname, or unknown: not ours here

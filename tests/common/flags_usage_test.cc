@@ -11,6 +11,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -101,6 +102,17 @@ TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
             "--fused_push_pull=maybe is not true or false (default false)");
   EXPECT_EQ(BadValue({"--batch_size"}),
             "--batch_size needs a value: --batch_size=VALUE, a whole number (default 64)");
+}
+
+// Abseil reads a directory given as --flagfile as an empty file.
+TEST(BadValueProblemTest, AFlagfileThatIsADirectoryIsRefused) {
+  const std::string dir = ::testing::TempDir();
+  EXPECT_EQ(BadValue({"--flagfile=" + dir}),
+            absl::StrCat("--flagfile=", dir,
+                         " is a directory; expected a file of flags, one --name=value per line"));
+  EXPECT_THAT(BadValue({"--flagfile", "/nonexistent/flags," + dir}),
+              ::testing::HasSubstr("is a directory"));
+  EXPECT_EQ(BadValue({"--flagfile=/nonexistent/flags"}), "");  // Abseil says it cannot open it
 }
 
 TEST(BadValueProblemTest, AcceptsGoodValuesAndLeavesOthersToTheirChecks) {
