@@ -256,6 +256,26 @@ TEST(LoadIdxTest, DataAfterTheDeclaredExamplesIsInvalidArgument) {
   }
 }
 
+// A corrupt gzip stream can inflate to more bytes than its header declares:
+// that is corruption (its CRC fails at the end), not a wrong count. The
+// examples are large, so that the CRC is checked only after the bytes the
+// header declares have been read (zlib inflates 256 KiB ahead).
+TEST(LoadIdxTest, CorruptGzipThatInflatesTooLongIsDataLoss) {
+  const std::string dir = TestDir();
+  const std::string images = dir + "/long_bad_crc.gz";
+  const std::string labels = dir + "/labels";
+  WriteFile(images, IdxImages(2, 512, 512, std::vector<uint8_t>(3 * 512 * 512, 7)), true);
+  std::vector<uint8_t> bytes = ReadFile(images);
+  ASSERT_GT(bytes.size(), 8u);
+  bytes[bytes.size() - 8] ^= 0xff;  // the CRC-32's first byte
+  WriteFile(images, bytes, false);
+  WriteFile(labels, IdxLabels({1, 2}), false);
+  absl::StatusOr<Dataset> data = LoadIdx(images, labels, "x");
+  EXPECT_EQ(data.status().code(), absl::StatusCode::kDataLoss) << data.status();
+  EXPECT_THAT(data.status().message(),
+              AllOf(HasSubstr(images), HasSubstr("is corrupt"), HasSubstr("incorrect data check")));
+}
+
 // zlib's reads skip bytes after a gzip stream that do not begin another
 // one: a gzip'd file with junk or a plain file joined to it loaded as clean.
 // A file of several gzip members is a valid gzip file.
