@@ -114,7 +114,7 @@ absl::Status ParseOptions(const Token& token, const std::vector<std::string>& pa
   bool seen_padding = false, seen_stride = false, seen_relu = false;
   const std::string expected = absl::StrCat(
       "expected ", allow_relu ? "\"relu\"" : "", allow_relu && allow_padding_and_stride ? ", " : "",
-      allow_padding_and_stride ? "\"same\", \"valid\" or \"sSTRIDE\"" : "");
+      allow_padding_and_stride ? "\"same\", \"valid\" or \"sSTRIDE\" (e.g. \"s2\")" : "");
   for (size_t i = first; i < parts.size(); ++i) {
     const std::string& opt = parts[i];
     if (allow_relu && opt == "relu") {
@@ -125,7 +125,9 @@ absl::Status ParseOptions(const Token& token, const std::vector<std::string>& pa
       if (seen_padding) return TokenError(token, "padding given twice");
       seen_padding = true;
       layer->same_padding = opt == "same";
-    } else if (allow_padding_and_stride && opt.size() > 1 && opt[0] == 's') {
+    } else if (allow_padding_and_stride && opt.size() > 1 && opt[0] == 's' &&
+               (absl::ascii_isdigit(opt[1]) || opt[1] == '-' || opt[1] == '+')) {
+      // (Only "s" and a number: "stride=2" was read as the stride "tride=2".)
       if (seen_stride) return TokenError(token, "stride given twice");
       seen_stride = true;
       auto stride = PositiveInt(token, "stride", absl::string_view(opt).substr(1), kMaxWindow);
