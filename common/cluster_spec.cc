@@ -95,6 +95,9 @@ struct Draft {
   std::optional<int64_t> task_index;
   Origin index_origin;
   bool tf_config_given = false;  // a TF_CONFIG was parsed into this draft
+  // The task type that examples in error messages show: the binary's own.
+  std::string example_type = "worker";
+  std::vector<std::string> overrides;  // as ClusterSpec::overrides
 };
 
 std::string KindOf(const Value& v) {
@@ -187,9 +190,9 @@ absl::Status CheckMisspelledKeys(const google::protobuf::Struct& object, absl::s
 
 absl::Status ParseTask(const Value& task, Draft* d) {
   if (task.kind_case() != Value::kStructValue) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "TF_CONFIG: \"task\" must be an object like {\"type\": \"ps\", \"index\": 0} (type one of ",
-        kExpectedTypes, "), got ", KindOf(task)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("TF_CONFIG: \"task\" must be an object like {\"type\": \"", d->example_type,
+                     "\", \"index\": 0} (type one of ", kExpectedTypes, "), got ", KindOf(task)));
   }
   PSFLOW_RETURN_IF_ERROR(CheckMisspelledKeys(task.struct_value(), ": \"task\"", {"type", "index"},
                                              {"trial", "cloud"}));
@@ -271,9 +274,12 @@ absl::Status CheckJsonDepth(absl::string_view json) {
   return absl::OkStatus();
 }
 
-constexpr char kExpectedTfConfig[] =
-    "expected an object like {\"cluster\": {\"worker\": [\"host:port\"], \"ps\": "
-    "[\"host:port\"]}, \"task\": {\"type\": \"ps\", \"index\": 0}}";
+std::string ExpectedTfConfig(const Draft& d) {
+  return absl::StrCat(
+      "expected an object like {\"cluster\": {\"worker\": [\"host:port\"], \"ps\": "
+      "[\"host:port\"]}, \"task\": {\"type\": \"",
+      d.example_type, "\", \"index\": 0}}");
+}
 
 absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
   // A JSON list or string is valid JSON, but not the object TF_CONFIG is
@@ -285,7 +291,7 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
                                                    c == '['   ? "a list"
                                                    : c == '"' ? "a string"
                                                               : Quoted(trimmed.substr(0, 20)),
-                                                   "; ", kExpectedTfConfig));
+                                                   "; ", ExpectedTfConfig(*d)));
   }
   PSFLOW_RETURN_IF_ERROR(CheckJsonDepth(json));
   Struct root;
@@ -298,7 +304,7 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
     const absl::string_view first_line =
         absl::StripAsciiWhitespace(absl::string_view(message).substr(0, message.find('\n')));
     return absl::InvalidArgumentError(absl::StrCat(
-        "TF_CONFIG is not valid JSON: ", absl::CHexEscape(first_line), "; ", kExpectedTfConfig));
+        "TF_CONFIG is not valid JSON: ", absl::CHexEscape(first_line), "; ", ExpectedTfConfig(*d)));
   }
   // Other top-level keys ("environment", "rpc_layer", ...) are not ours.
   if (root.fields().contains("sparseCluster") && !root.fields().contains("cluster")) {
@@ -338,6 +344,14 @@ absl::Status ApplyHostsFlag(absl::string_view flag, absl::string_view value, Job
         "one chief)",
         flag, Quoted(value)));
   }
+  if (d->tf_config_given && d->has_job[job] && d->jobs[job] != hosts) {
+    d->overrides.push_back(absl::StrCat("--", flag, " replaces TF_CONFIG's \"", kJobNames[job],
+                                        "\" list (", absl::StrJoin(d->jobs[job], ","), ")"));
+  } else if (d->tf_config_given && !d->has_job[job]) {
+    d->overrides.push_back(absl::StrCat("--", flag, " adds a \"", kJobNames[job],
+                                        "\" job that TF_CONFIG's cluster does not list; "
+                                        "processes started without it see another cluster"));
+  }
   d->jobs[job] = std::move(hosts);
   d->has_job[job] = true;
   d->job_origin[job] = origin;
@@ -349,6 +363,11 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("worker_hosts", flags.worker_hosts, kWorker, d));
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("chief_host", flags.chief_host, kChief, d));
   if (!flags.task_type.empty()) {
+    if (d->tf_config_given && d->task_type && *d->task_type != flags.task_type) {
+      d->overrides.push_back(absl::StrCat("--", flags.task_type_flag, "=", flags.task_type,
+                                          " overrides TF_CONFIG's task type \"", *d->task_type,
+                                          "\""));
+    }
     d->task_type = flags.task_type;
     d->type_origin = {true, flags.task_type_flag};
   } else if (!d->task_type && !flags.default_task_type.empty()) {
@@ -357,6 +376,10 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
                                              " by default)")};
   }
   if (flags.task_index >= 0) {
+    if (d->tf_config_given && d->task_index && *d->task_index != flags.task_index) {
+      d->overrides.push_back(absl::StrCat("--", flags.task_index_flag, "=", flags.task_index,
+                                          " overrides TF_CONFIG's task index ", *d->task_index));
+    }
     d->task_index = flags.task_index;
     d->index_origin = {true, flags.task_index_flag};
   }
@@ -565,6 +588,7 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
   spec.evaluator = d.jobs[kEvaluator];
   spec.task_type = kJobNames[*job];
   spec.task_index = static_cast<int>(index);
+  spec.overrides = d.overrides;
   return spec;
 }
 
@@ -585,6 +609,7 @@ absl::StatusOr<ClusterSpec> ClusterSpec::FromTfConfig(std::string_view std_json)
 
 absl::StatusOr<ClusterSpec> ResolveCluster(const char* tf_config, const ClusterFlags& flags) {
   Draft draft;
+  if (!flags.default_task_type.empty()) draft.example_type = flags.default_task_type;
   if (!TfConfigAbsent(tf_config)) {
     PSFLOW_RETURN_IF_ERROR(ParseTfConfig(tf_config, &draft));
     draft.tf_config_given = true;

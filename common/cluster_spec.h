@@ -47,6 +47,10 @@ struct ClusterSpec {
   std::vector<std::string> chief, worker, ps, evaluator;
   std::string task_type;  // "chief" | "worker" | "ps" | "evaluator"
   int task_index = 0;
+  // Where ResolveCluster's flags changed what TF_CONFIG said (flags win):
+  // one sentence each, for the binary to print as a warning, as other
+  // processes reading the same TF_CONFIG see the cluster it describes.
+  std::vector<std::string> overrides;
 
   // Parses and validates a complete TF_CONFIG (it must have "cluster" and
   // "task"). See the file comment for what is accepted.

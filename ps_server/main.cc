@@ -360,6 +360,9 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     if (shard_flag) flags.task_index = *shard_flag;
     auto cluster = psflow::ResolveCluster(tf_config, flags);
     if (!cluster.ok()) return cluster.status();
+    for (const std::string& note : cluster->overrides) {
+      std::fprintf(stderr, "ps_server: warning: %s\n", note.c_str());
+    }
     if (cluster->task_type != "ps") {
       // Also with --shard_index: it does not make a worker's host a shard.
       // (With --shard_index the index is the flag's, not TF_CONFIG's.)

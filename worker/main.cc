@@ -225,6 +225,9 @@ int main(int argc, char** argv) {
   }
   auto cluster = psflow::ResolveCluster(tf_config, flags);
   if (!cluster.ok()) return Fail(cluster.status());
+  for (const std::string& note : cluster->overrides) {
+    std::fprintf(stderr, "worker: warning: %s\n", note.c_str());
+  }
   // Numbers that make no sense are refused before anything runs.
   if (absl::GetFlag(FLAGS_epochs) < 1) {
     return Fail(absl::InvalidArgumentError(

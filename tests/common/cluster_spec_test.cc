@@ -572,6 +572,59 @@ TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   EXPECT_EQ(spec->task_type, "ps");
 }
 
+// The example in a TF_CONFIG error shows the binary's own task type: a
+// worker's user was shown a ps task.
+TEST(ResolveClusterTest, ExamplesShowTheBinarysOwnTaskType) {
+  ClusterFlags worker;
+  worker.default_task_type = "worker";
+  ClusterFlags ps;
+  ps.default_task_type = "ps";
+  for (const char* bad : {"notjson", "[1]", R"({"cluster":{"ps":["p:1"]},"task":3})"}) {
+    EXPECT_THAT(ErrorOf(ResolveCluster(bad, worker)),
+                HasSubstr(R"({"type": "worker", "index": 0})"))
+        << bad;
+    EXPECT_THAT(ErrorOf(ResolveCluster(bad, ps)), HasSubstr(R"({"type": "ps", "index": 0})"))
+        << bad;
+  }
+}
+
+// Flags win over TF_CONFIG, and say where they changed it: other processes
+// reading the same TF_CONFIG see the cluster it describes.
+TEST(ResolveClusterTest, FlagsSayWhatOfTfConfigTheyOverride) {
+  const char* json =
+      R"({"cluster":{"ps":["p0:1"],"worker":["w0:1","w1:1"]},"task":{"type":"worker","index":1}})";
+  ClusterFlags same;
+  same.task_index = 1;
+  same.ps_hosts = "p0:1";
+  absl::StatusOr<ClusterSpec> spec = ResolveCluster(json, same);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->overrides, ::testing::IsEmpty());
+  ClusterFlags other;
+  other.task_index = 0;
+  other.task_type = "worker";
+  other.ps_hosts = "p0:1,p1:1";
+  other.chief_host = "c:1";
+  spec = ResolveCluster(json, other);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->task_index, 0);
+  EXPECT_THAT(spec->overrides,
+              ::testing::UnorderedElementsAre(
+                  "--task_index=0 overrides TF_CONFIG's task index 1",
+                  "--ps_hosts replaces TF_CONFIG's \"ps\" list (p0:1)",
+                  "--chief_host adds a \"chief\" job that TF_CONFIG's cluster does not list; "
+                  "processes started without it see another cluster"));
+  other.task_type = "ps";
+  other.task_index = 1;
+  spec = ResolveCluster(json, other);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->overrides,
+              ::testing::Contains("--task_type=ps overrides TF_CONFIG's task type \"worker\""));
+  // Without TF_CONFIG there is nothing to override.
+  spec = ResolveCluster(nullptr, other);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->overrides, ::testing::IsEmpty());
+}
+
 TEST(ResolveClusterTest, BlankTfConfigIsAbsent) {
   EXPECT_TRUE(TfConfigAbsent(nullptr));
   EXPECT_TRUE(TfConfigAbsent(""));
