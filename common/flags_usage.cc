@@ -185,6 +185,15 @@ std::string BadValueProblem(int argc, char** argv) {
                           expected.empty() ? "" : ", ", expected, Default(*flag));
     }
     const std::string value(*arg.value);
+    // Abseil reads "" as "not given" for an optional number: "--port=" was
+    // the default port, silently, where "--batch_size=" is refused.
+    if (value.empty()) {
+      const std::string expected = ExpectedValue(*flag);
+      if (expected == "a whole number" || expected == "a number") {
+        return absl::StrCat("--", name, "= has no value; expected ", expected, Default(*flag),
+                            ", or leave the flag out");
+      }
+    }
     // Parsing sets the flag, as the parse that follows would anyway.
     std::string error;
     if (!flag->ParseFrom(value, &error)) {
@@ -232,10 +241,19 @@ std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_
   return value;
 }
 
+std::string ErrorLine(absl::string_view program, absl::string_view message) {
+  constexpr size_t kMax = 1000, kHead = 600, kTail = 300;
+  if (message.size() <= kMax) return absl::StrCat(program, ": ", message, "\n");
+  return absl::StrCat(program, ": ", message.substr(0, kHead), " ... [",
+                      message.size() - kHead - kTail, " bytes left out] ... ",
+                      message.substr(message.size() - kTail), "\n");
+}
+
 void ParseFlagsOrExit(int argc, char** argv, const char* program,
                       const std::function<void()>& before_error_exit) {
   const auto fail = [&](const std::string& problem) {
-    std::fprintf(stderr, "%s: %s\n", program, problem.c_str());
+    const std::string line = ErrorLine(program, problem);
+    std::fwrite(line.data(), 1, line.size(), stderr);
     if (before_error_exit) before_error_exit();
     std::exit(1);
   };

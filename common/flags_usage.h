@@ -57,6 +57,13 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program,
 // without, parsing: a parse that fails exits.
 std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name);
 
+// "program: message\n", the line a binary prints before it exits on bad
+// input. A message over 1,000 bytes (one that quotes a value of 100 KB, say)
+// keeps its first 600 and last 300 bytes, with how much was left out
+// between them, so that the name of what was wrong and what was expected
+// stay on the screen.
+std::string ErrorLine(absl::string_view program, absl::string_view message);
+
 // Splits each "name=value" of flag `flag` (e.g. --grpc_arg) at its first '=';
 // INVALID_ARGUMENT naming the flag and the item when one has no '=' or no
 // name.

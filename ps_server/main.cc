@@ -212,7 +212,7 @@ constexpr int kMaxApplyThreads = 256;
 constexpr int kMaxApplyWindow = 64;
 
 int Fail(const absl::Status& status) {
-  const std::string line = absl::StrCat("ps_server: ", status.ToString(), "\n");
+  const std::string line = psflow::ErrorLine("ps_server", status.ToString());
   std::fwrite(line.data(), 1, line.size(), stderr);
   return 1;
 }

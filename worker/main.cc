@@ -146,7 +146,7 @@ void ForgetEarlierSummary(const std::string& path) {
 }
 
 int Fail(const absl::Status& status) {
-  const std::string line = absl::StrCat("worker: ", status.ToString(), "\n");
+  const std::string line = psflow::ErrorLine("worker", status.ToString());
   std::fwrite(line.data(), 1, line.size(), stderr);
   return 1;
 }

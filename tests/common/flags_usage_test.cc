@@ -19,6 +19,7 @@ ABSL_FLAG(std::string, optimizer, "adam", "for the test");
 ABSL_FLAG(bool, fused_push_pull, false, "for the test");
 ABSL_FLAG(double, learning_rate, 0.1, "for the test");
 ABSL_FLAG(int, batch_size, 64, "for the test");
+ABSL_FLAG(std::optional<int>, port, std::nullopt, "for the test");
 
 namespace psflow {
 namespace {
@@ -102,6 +103,32 @@ TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
             "--fused_push_pull=maybe is not true or false (default false)");
   EXPECT_EQ(BadValue({"--batch_size"}),
             "--batch_size needs a value: --batch_size=VALUE, a whole number (default 64)");
+}
+
+TEST(ErrorLineTest, KeepsShortMessagesAndCutsTheMiddleOfLongOnes) {
+  EXPECT_EQ(ErrorLine("worker", "--epochs=0; expected 1 or more"),
+            "worker: --epochs=0; expected 1 or more\n");
+  const std::string value(100000, 'x');
+  const std::string message = "--optimizer=" + value + " is not one of adam, sgd";
+  const std::string line = ErrorLine("ps_server", message);
+  EXPECT_LT(line.size(), 1000u);
+  EXPECT_THAT(line, ::testing::StartsWith("ps_server: --optimizer=xxx"));
+  EXPECT_THAT(line, ::testing::EndsWith("xxx is not one of adam, sgd\n"));
+  EXPECT_THAT(line, ::testing::HasSubstr(
+                        absl::StrCat(" ... [", message.size() - 900, " bytes left out] ... ")));
+}
+
+// Abseil reads "" as "not given" for an optional number: "--port=" left
+// the default port without a word.
+TEST(BadValueProblemTest, AnEmptyNumberIsRefused) {
+  absl::FlagSaver restore;
+  EXPECT_EQ(BadValue({"--port="}),
+            "--port= has no value; expected a whole number, or leave the "
+            "flag out");
+  EXPECT_EQ(BadValue({"--batch_size="}),
+            "--batch_size= has no value; expected a whole number (default 64), or leave the flag "
+            "out");
+  EXPECT_EQ(BadValue({"--optimizer="}), "");  // a string may be empty
 }
 
 // Abseil reads a directory given as --flagfile as an empty file.
