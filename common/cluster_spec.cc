@@ -444,6 +444,11 @@ std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
     port = address.substr(colon + 1);
     if (host.empty()) return "has an empty host";
     if (host.find(':') != absl::string_view::npos) return "has an IPv6 host without [brackets]";
+    // A longer one resolves nowhere: the workers failed only at DNS.
+    if (host.size() > 253) {
+      return absl::StrFormat("has a host name of %d bytes, longer than DNS allows (253)",
+                             host.size());
+    }
     for (char c : host) {
       if (!absl::ascii_isalnum(c) && c != '-' && c != '.' && c != '_') {
         return absl::StrFormat("has '%s' in its host name", absl::CHexEscape({&c, 1}));

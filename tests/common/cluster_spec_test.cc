@@ -532,6 +532,16 @@ TEST(ClusterSpecTest, ControlAndNonAsciiBytesAreEscapedInMessages) {
               HasSubstr("\"caf\\xc3\\xa9\""));
 }
 
+// A host name longer than DNS allows was taken, and the workers failed
+// only when they resolved it.
+TEST(ClusterSpecTest, HostNamesLongerThanDnsAllowsAreRefused) {
+  const std::string longest(253, 'h');
+  MustParse(R"({"cluster":{"ps":[")" + longest + R"(:1"]},"task":{"type":"ps","index":0}})");
+  EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":[")" + longest +
+                            R"(h:1"]},"task":{"type":"ps","index":0}})"),
+              HasSubstr("has a host name of 254 bytes, longer than DNS allows (253)"));
+}
+
 TEST(ResolveClusterTest, ErrorsUseTheBinarysOwnFlagNames) {
   // As ps_server calls ResolveCluster: its index flag is --shard_index, it
   // has no --task_type and only --ps_hosts.
