@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -108,6 +109,20 @@ std::string ExpectedValue(const absl::CommandLineFlag& flag) {
   return "";  // Abseil's parser says what it wanted
 }
 
+// The range of `flag`'s integer type, as "LOW..HIGH", or "".
+std::string IntegerRange(const absl::CommandLineFlag& flag) {
+  if (flag.IsOfType<int>() || flag.IsOfType<std::optional<int>>()) {
+    return absl::StrCat(std::numeric_limits<int>::min(), "..", std::numeric_limits<int>::max());
+  }
+  if (flag.IsOfType<int64_t>() || flag.IsOfType<std::optional<int64_t>>()) {
+    return absl::StrCat(std::numeric_limits<int64_t>::min(), "..",
+                        std::numeric_limits<int64_t>::max());
+  }
+  if (flag.IsOfType<uint32_t>()) return absl::StrCat("0..", std::numeric_limits<uint32_t>::max());
+  if (flag.IsOfType<uint64_t>()) return absl::StrCat("0..", std::numeric_limits<uint64_t>::max());
+  return "";
+}
+
 // " (default D)", or "" where the default is empty or unset.
 std::string Default(const absl::CommandLineFlag& flag) {
   const std::string d = flag.DefaultValue();
@@ -202,7 +217,9 @@ std::string BadValueProblem(int argc, char** argv) {
       absl::ConsumePrefix(&digits, "-") || absl::ConsumePrefix(&digits, "+");
       if (expected == "a whole number" && !digits.empty() &&
           std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit)) {
+        const std::string range = IntegerRange(*flag);
         return absl::StrCat("--", name, "=", value, " is out of range for this flag",
+                            range.empty() ? "" : absl::StrCat(" (its type holds ", range, ")"),
                             Default(*flag));
       }
       if (!expected.empty()) {

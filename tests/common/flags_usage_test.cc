@@ -94,7 +94,8 @@ TEST(BadValueProblemTest, NamesTheFlagTheValueAndWhatWasExpected) {
   absl::FlagSaver restore;  // the check sets the flags it parses
   EXPECT_EQ(BadValue({"--batch_size=64k"}), "--batch_size=64k is not a whole number (default 64)");
   EXPECT_EQ(BadValue({"--batch_size=99999999999"}),
-            "--batch_size=99999999999 is out of range for this flag (default 64)");
+            "--batch_size=99999999999 is out of range for this flag (its type holds "
+            "-2147483648..2147483647) (default 64)");
   EXPECT_EQ(BadValue({"--optimizer=sgd", "--batch_size", "12x"}),
             "--batch_size=12x is not a whole number (default 64)");
   EXPECT_EQ(BadValue({"-learning_rate=fast"}),
