@@ -861,6 +861,13 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
                  !OverlapsAny(it->second.in_flight, c->begin, c->end);
         },
         &claim));
+    if (entry_->lost) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "push: ps shard ", store_->options_.shard_index,
+          " lost its record of what this request id applied (it ran out of memory while "
+          "recording it), so it applies nothing more under this id and nothing twice; the "
+          "push may be partly applied"));
+    }
     if (!TestBit(entry_->complete, part->index)) {
       auto found = entry_->progress.find(part);
       const bool known = found != entry_->progress.end();
@@ -967,23 +974,33 @@ absl::Status VariableStore::PushSession::Apply(absl::string_view variable, int64
     absl::MutexLock entry_lock(&entry_->mu);
     progress->in_flight.erase(std::find(progress->in_flight.begin(), progress->in_flight.end(),
                                         std::make_pair(offset, offset + count)));
-    const int64_t ranges_before = static_cast<int64_t>(progress->done.size());
-    for (const auto& range : todo) AddRange(&progress->done, range.first, range.second);
-    const int64_t ranges = static_cast<int64_t>(progress->done.size());
-    int64_t delta = (ranges - ranges_before) * kRangeBytes;
-    if (progress->in_flight.empty() && ranges == 1 && progress->done.begin()->first == 0 &&
-        progress->done.begin()->second == part->num_elements) {
-      // Every element applied: a bit instead of the Progress. (The bit
-      // first: should setting it fail to allocate, the Progress still says
-      // what was applied, and a retry applies nothing twice.)
-      delta += SetBit(&entry_->complete, part->index);
-      delta -= kProgressBytes + ranges * kRangeBytes;
-      entry_->progress.erase(part);
-      // An emptied hash map keeps its table: give it back, as most ids end
-      // here and are then remembered for minutes.
-      if (entry_->progress.empty()) entry_->progress = {};
+    // The segment is applied: should recording it fail to allocate (a
+    // B-tree node, the bits), the id is marked lost, and a retry of it is
+    // refused instead of applied again.
+    try {
+      const int64_t ranges_before = static_cast<int64_t>(progress->done.size());
+      for (const auto& range : todo) AddRange(&progress->done, range.first, range.second);
+      const int64_t ranges = static_cast<int64_t>(progress->done.size());
+      int64_t delta = (ranges - ranges_before) * kRangeBytes;
+      if (progress->in_flight.empty() && ranges == 1 && progress->done.begin()->first == 0 &&
+          progress->done.begin()->second == part->num_elements) {
+        // Every element applied: a bit instead of the Progress (the bit
+        // first, so that the Progress goes only once the bit is set).
+        delta += SetBit(&entry_->complete, part->index);
+        delta -= kProgressBytes + ranges * kRangeBytes;
+        entry_->progress.erase(part);
+        // An emptied hash map keeps its table: give it back, as most ids end
+        // here and are then remembered for minutes.
+        if (entry_->progress.empty()) entry_->progress = {};
+      }
+      Account(delta);
+    } catch (const std::bad_alloc&) {
+      entry_->lost = true;
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "push: ps shard ", store_->options_.shard_index, " applied a segment of '", variable,
+          "' but ran out of memory recording it; it applies nothing more under this request "
+          "id, so that nothing is applied twice"));
     }
-    Account(delta);
   }
   // A record that grew may take the ledger past its bound even though no new
   // id came: forget others now (never this one, which is in use).

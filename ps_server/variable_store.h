@@ -246,6 +246,10 @@ class VariableStore {
     std::vector<uint64_t> complete ABSL_GUARDED_BY(mu);
     int64_t bytes ABSL_GUARDED_BY(mu) = 0;     // about what the above and the id take
     bool evicted ABSL_GUARDED_BY(mu) = false;  // no longer counted in ledger_bytes_
+    // Set when recording what a segment applied failed (an allocation):
+    // what this id applied is no longer known, so nothing more is applied
+    // under it, and a retry cannot apply anything twice.
+    bool lost ABSL_GUARDED_BY(mu) = false;
     // The id's first call, on a clock that no time adjustment moves.
     const std::chrono::steady_clock::time_point created;
   };
