@@ -722,13 +722,13 @@ class PsServer::Service final : public grpc::Service {
     // refused at the first, not held whole (valid parts take 10 or more).
     std::vector<PartDefinition> parts;
     auto add_parts = [&](const RegisterHeader& header) -> absl::Status {
-      for (const PartDef& def : header.parts()) {
-        parts.push_back(FromProto(def));
+      for (int i = 0; i < header.parts_size(); ++i) {
+        parts.push_back(FromProto(header.parts(i)));
         absl::Status valid = VariableStore::ValidateDefinition(parts.back());
         if (!valid.ok()) {
-          return absl::Status(valid.code(), absl::StrCat("RegisterVariables: message ", index,
-                                                         ", part ", parts.size() - 1, ": ",
-                                                         valid.message(), "; nothing registered"));
+          return absl::Status(valid.code(),
+                              absl::StrCat("RegisterVariables: message ", index, ", its part ", i,
+                                           " (from 0): ", valid.message(), "; nothing registered"));
         }
       }
       return absl::OkStatus();

@@ -67,8 +67,9 @@ absl::Status VariableStore::ValidateDefinition(const PartDefinition& def) {
 }
 
 int64_t VariableStore::PartOverheadBytes(const PartDefinition& def) {
+  // The name is held twice: as the table's key and in the definition.
   const int64_t described =
-      static_cast<int64_t>(def.variable.size() + 8 * def.variable_shape.size());
+      static_cast<int64_t>(2 * def.variable.size() + 8 * def.variable_shape.size());
   return kPartBytes + std::max<int64_t>(0, described - 128);
 }
 

@@ -172,8 +172,9 @@ class VariableStore {
   // refused at the first instead of being held whole in memory.
   static absl::Status ValidateDefinition(const PartDefinition& def);
   // What a part counts against max_variable_bytes beside its elements:
-  // kPartBytes, and its name and shape byte for byte beyond the first 128
-  // bytes of them (which kPartBytes covers).
+  // kPartBytes, and its name (held twice: the table's key and the record)
+  // and shape byte for byte beyond the first 128 bytes of them (which
+  // kPartBytes covers).
   static int64_t PartOverheadBytes(const PartDefinition& def);
 
  private:

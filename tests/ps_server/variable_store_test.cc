@@ -283,9 +283,9 @@ TEST(VariableStoreTest, ManyTinyPartsCountTheirOwnCost) {
   EXPECT_TRUE((*store)->BeginRegistration(7, 1, 0, defs).ok());
 }
 
-// A long name or shape counts its bytes beyond the 128 that kPartBytes
-// covers: parts of 64 KiB names, counted as 1024 bytes each, passed the
-// limit 64 times over.
+// A long name (held twice) or shape counts its bytes beyond the 128 that
+// kPartBytes covers: parts of 64 KiB names, counted as 1024 bytes each,
+// passed the limit over 100 times over.
 TEST(VariableStoreTest, LongNamesCountTheirBytes) {
   VariableStoreOptions options;  // Adam: 12 bytes per element
   const int64_t short_part = 12 + VariableStore::kPartBytes;
@@ -294,16 +294,18 @@ TEST(VariableStoreTest, LongNamesCountTheirBytes) {
   ASSERT_TRUE(store.ok()) << store.status();
   const std::string long_name(4 * short_part, 'n');
   EXPECT_EQ(VariableStore::PartOverheadBytes(Def(long_name, {1}, 0, 1)),
-            VariableStore::kPartBytes + static_cast<int64_t>(long_name.size()) + 8 - 128);
-  EXPECT_EQ(VariableStore::PartOverheadBytes(Def(std::string(120, 'n'), {1}, 0, 1)),
+            VariableStore::kPartBytes + 2 * static_cast<int64_t>(long_name.size()) + 8 - 128);
+  EXPECT_EQ(VariableStore::PartOverheadBytes(Def(std::string(60, 'n'), {1}, 0, 1)),
             VariableStore::kPartBytes);
+  EXPECT_EQ(VariableStore::PartOverheadBytes(Def(std::string(61, 'n'), {1}, 0, 1)),
+            VariableStore::kPartBytes + 2);
   auto over = (*store)->BeginRegistration(7, 1, 0, {Def(long_name, {1}, 0, 1)});
   ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
   EXPECT_THAT(over.status().message(), HasSubstr("more for names and shapes over 128 bytes"));
-  // Held parts count theirs too: one of a 2 KiB name takes the room of
+  // Held parts count theirs too: one of a 1 KiB name takes the room of
   // almost three short parts (counted as one, three more would fit), so
   // two more no longer fit, and one does.
-  RegisterFilled(store->get(), Def(std::string(2048, 'm'), {1}, 0, 1), 1.0f);
+  RegisterFilled(store->get(), Def(std::string(1024, 'm'), {1}, 0, 1), 1.0f);
   std::vector<PartDefinition> two = {Def("v0", {1}, 0, 1), Def("v1", {1}, 0, 1)};
   EXPECT_EQ((*store)->BeginRegistration(7, 1, 0, two).status().code(),
             absl::StatusCode::kResourceExhausted);
