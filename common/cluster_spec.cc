@@ -98,6 +98,7 @@ struct Draft {
   // The task type that examples in error messages show: the binary's own.
   std::string example_type = "worker";
   std::vector<std::string> overrides;  // as ClusterSpec::overrides
+  bool tf_config_cluster = false;      // the TF_CONFIG parsed has a "cluster"
 };
 
 std::string KindOf(const Value& v) {
@@ -315,6 +316,7 @@ absl::Status ParseTfConfig(absl::string_view json, Draft* d) {
   PSFLOW_RETURN_IF_ERROR(CheckMisspelledKeys(root, "", {"cluster", "task"},
                                              {"environment", "rpc_layer", "sparseCluster"}));
   if (auto it = root.fields().find("cluster"); it != root.fields().end()) {
+    d->tf_config_cluster = true;
     PSFLOW_RETURN_IF_ERROR(ParseClusterJobs(it->second, d));
   }
   if (auto it = root.fields().find("task"); it != root.fields().end()) {
@@ -347,7 +349,7 @@ absl::Status ApplyHostsFlag(absl::string_view flag, absl::string_view value, Job
   if (d->tf_config_given && d->has_job[job] && d->jobs[job] != hosts) {
     d->overrides.push_back(absl::StrCat("--", flag, " replaces TF_CONFIG's \"", kJobNames[job],
                                         "\" list (", absl::StrJoin(d->jobs[job], ","), ")"));
-  } else if (d->tf_config_given && !d->has_job[job]) {
+  } else if (d->tf_config_cluster && !d->has_job[job]) {
     d->overrides.push_back(absl::StrCat("--", flag, " adds a \"", kJobNames[job],
                                         "\" job that TF_CONFIG's cluster does not list; "
                                         "processes started without it see another cluster"));
@@ -363,7 +365,9 @@ absl::Status ApplyFlags(const ClusterFlags& flags, Draft* d) {
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("worker_hosts", flags.worker_hosts, kWorker, d));
   PSFLOW_RETURN_IF_ERROR(ApplyHostsFlag("chief_host", flags.chief_host, kChief, d));
   if (!flags.task_type.empty()) {
-    if (d->tf_config_given && d->task_type && *d->task_type != flags.task_type) {
+    // "master" is "chief": compared as the jobs they name.
+    if (d->tf_config_given && d->task_type &&
+        ParseJobName(*d->task_type) != ParseJobName(flags.task_type)) {
       d->overrides.push_back(absl::StrCat("--", flags.task_type_flag, "=", flags.task_type,
                                           " overrides TF_CONFIG's task type \"", *d->task_type,
                                           "\""));
@@ -445,7 +449,8 @@ std::string AddressProblem(absl::string_view address, bool allow_port_zero) {
     if (host.empty()) return "has an empty host";
     if (host.find(':') != absl::string_view::npos) return "has an IPv6 host without [brackets]";
     // A longer one resolves nowhere: the workers failed only at DNS.
-    if (host.size() > 253) {
+    // (A fully qualified name's final dot is not counted.)
+    if (host.size() - (host.back() == '.' ? 1 : 0) > 253) {
       return absl::StrFormat("has a host name of %d bytes, longer than DNS allows (253)",
                              host.size());
     }

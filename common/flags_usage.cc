@@ -180,6 +180,8 @@ std::string BadValueProblem(int argc, char** argv) {
     const absl::string_view name = arg.name;
     // Abseil refuses a flag file it cannot open, but reads a directory as
     // an empty file: every flag meant to be in it was lost without a word.
+    // (Only the command line's: one named inside a flag file is not seen
+    // here, nor are the values of flags that come from a flag file.)
     if (name == "flagfile" && arg.value) {
       for (absl::string_view path : absl::StrSplit(*arg.value, ',', absl::SkipEmpty())) {
         struct stat st;

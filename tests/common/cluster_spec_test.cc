@@ -537,6 +537,7 @@ TEST(ClusterSpecTest, ControlAndNonAsciiBytesAreEscapedInMessages) {
 TEST(ClusterSpecTest, HostNamesLongerThanDnsAllowsAreRefused) {
   const std::string longest(253, 'h');
   MustParse(R"({"cluster":{"ps":[")" + longest + R"(:1"]},"task":{"type":"ps","index":0}})");
+  MustParse(R"({"cluster":{"ps":[")" + longest + R"(.:1"]},"task":{"type":"ps","index":0}})");
   EXPECT_THAT(TfConfigError(R"({"cluster":{"ps":[")" + longest +
                             R"(h:1"]},"task":{"type":"ps","index":0}})"),
               HasSubstr("has a host name of 254 bytes, longer than DNS allows (253)"));
@@ -631,6 +632,20 @@ TEST(ResolveClusterTest, FlagsSayWhatOfTfConfigTheyOverride) {
               ::testing::Contains("--task_type=ps overrides TF_CONFIG's task type \"worker\""));
   // Without TF_CONFIG there is nothing to override.
   spec = ResolveCluster(nullptr, other);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->overrides, ::testing::IsEmpty());
+  // Nor with a TF_CONFIG of only a task: the flags give the cluster.
+  ClusterFlags hosts;
+  hosts.ps_hosts = "p0:1";
+  hosts.worker_hosts = "w0:1,w1:1";
+  spec = ResolveCluster(R"({"task":{"type":"worker","index":1}})", hosts);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->overrides, ::testing::IsEmpty());
+  // "master" is "chief".
+  ClusterFlags chief;
+  chief.task_type = "chief";
+  spec = ResolveCluster(R"({"cluster":{"ps":["p0:1"],"master":["c:1"]},"task":{"type":"master"}})",
+                        chief);
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_THAT(spec->overrides, ::testing::IsEmpty());
 }
