@@ -371,8 +371,10 @@ class GrpcPsClient final : public PsClient {
     return result;
   }
 
-  absl::Status WaitForVariables(absl::Duration timeout) override {
-    const absl::Time deadline = absl::Now() + timeout;
+  absl::Status WaitForVariables(absl::Duration timeout,
+                                const WaitingFn& waiting = nullptr) override {
+    const absl::Time start = absl::Now(), deadline = start + timeout;
+    absl::Time next_report = start + options_.waiting_report_interval;
     Backoff backoff(options_.retry);
     absl::Status previous;  // what the attempt before this one found missing
     std::vector<StatusResponse> earlier;  // the last round's answers, where all came
@@ -439,6 +441,10 @@ class GrpcPsClient final : public PsClient {
                                                         why.message()));
       }
       previous = missing;
+      if (waiting && absl::Now() >= next_report) {
+        waiting(absl::Now() - start, missing.message());
+        next_report = absl::Now() + options_.waiting_report_interval;
+      }
       WatchChannels(std::min(backoff.Next(), deadline - absl::Now()), /*only_shard=*/-1);
     }
   }

@@ -37,6 +37,9 @@ struct GrpcPsClientOptions {
   int64_t max_chunk_bytes = 1 << 20;
   absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
   RetryOptions retry;
+  // How often WaitForVariables tells its `waiting` what is still missing
+  // (first after this much waiting).
+  absl::Duration waiting_report_interval = absl::Seconds(10);
   // How long the ps shards remember a push's request id (their
   // --request_id_retention_s). A push is retried only while that is sure to
   // hold: no retry starts later than request_id_retention less rpc_timeout

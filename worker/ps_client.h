@@ -4,10 +4,12 @@
 #define PSFLOW_WORKER_PS_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/partition_plan.h"
@@ -60,7 +62,12 @@ class PsClient {
       absl::Span<const float* const> initial_values) = 0;
   // Waits until every part of the plan is registered on its shard (the other
   // workers wait for the chief this way). DEADLINE_EXCEEDED after `timeout`.
-  virtual absl::Status WaitForVariables(absl::Duration timeout) = 0;
+  // `waiting`, where given, hears what is still missing about every 10 s
+  // of waiting (not at once: the chief usually registers within seconds;
+  // GrpcPsClientOptions::waiting_report_interval).
+  using WaitingFn = std::function<void(absl::Duration waited, absl::string_view missing)>;
+  virtual absl::Status WaitForVariables(absl::Duration timeout,
+                                        const WaitingFn& waiting = nullptr) = 0;
   // Reads every variable into `values[i]` (caller-owned, num_elements floats).
   virtual absl::StatusOr<PullResult> Pull(absl::Span<float* const> values) = 0;
   // Sends one gradient of every variable (`grads[i]` for variable i); each

@@ -261,7 +261,21 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
       std::fflush(options.progress);
     }
   } else {
-    if (absl::Status waited = client->WaitForVariables(options.wait_for_variables); !waited.ok()) {
+    // As TensorFlow's workers log that they wait for the model, a line
+    // about every 10 s says what is missing (the wait was silent for up to
+    // --wait_for_variables_s).
+    PsClient::WaitingFn waiting;
+    if (options.progress != nullptr) {
+      waiting = [&](absl::Duration waited, absl::string_view missing) {
+        std::fprintf(
+            options.progress, "waiting for the chief to register the model (%s of %s): %s\n",
+            absl::FormatDuration(absl::Trunc(waited, absl::Seconds(1))).c_str(),
+            absl::FormatDuration(options.wait_for_variables).c_str(), std::string(missing).c_str());
+        std::fflush(options.progress);
+      };
+    }
+    if (absl::Status waited = client->WaitForVariables(options.wait_for_variables, waiting);
+        !waited.ok()) {
       if (!absl::IsDeadlineExceeded(waited)) return waited;
       return absl::DeadlineExceededError(
           absl::StrCat(waited.message(), " (the wait is --wait_for_variables_s)"));

@@ -2139,6 +2139,32 @@ TEST_F(PsClusterTest, WaitingWorkerTakesAnswersOfTwoMomentsForNoRestart) {
   }
 }
 
+// A worker waiting for the chief says what it waits for now and then (it
+// was silent for up to --wait_for_variables_s), but not at once.
+TEST_F(PsClusterTest, WaitingForVariablesSaysWhatIsMissing) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};
+  GrpcPsClientOptions options;
+  options.ps_addresses = addresses_;
+  options.waiting_report_interval = absl::Milliseconds(300);
+  auto waiter = CreateGrpcPsClient(vars, options);
+  ASSERT_TRUE(waiter.ok()) << waiter.status();
+  std::vector<std::pair<absl::Duration, std::string>> heard;
+  auto waiting = [&](absl::Duration waited, absl::string_view missing) {
+    heard.emplace_back(waited, std::string(missing));
+  };
+  const absl::Status waited = (*waiter)->WaitForVariables(absl::Seconds(2), waiting);
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  ASSERT_FALSE(heard.empty());
+  EXPECT_GE(heard[0].first, absl::Milliseconds(300));
+  EXPECT_THAT(heard[0].second, HasSubstr("holds 0 of its 1 variables; is the chief"));
+  // Once the chief has registered, a wait ends without a word.
+  ASSERT_TRUE(Client(vars)->Register(Make(vars, 1.0f).cptrs()).ok());
+  heard.clear();
+  EXPECT_TRUE((*waiter)->WaitForVariables(absl::Seconds(2), waiting).ok());
+  EXPECT_THAT(heard, ::testing::IsEmpty());
+}
+
 // Variables of the same names and shapes do not make the same model (a
 // worker without the ReLUs, or on another data set): the model's
 // fingerprint tells them apart, at registration and when a worker waits.

@@ -285,8 +285,9 @@ class StillHeldClient : public worker::PsClient {
       absl::Span<const float* const> initial_values) override {
     return inner_->Register(initial_values);
   }
-  absl::Status WaitForVariables(absl::Duration timeout) override {
-    return inner_->WaitForVariables(timeout);
+  absl::Status WaitForVariables(absl::Duration timeout,
+                                const WaitingFn& waiting = nullptr) override {
+    return inner_->WaitForVariables(timeout, waiting);
   }
   absl::StatusOr<worker::PullResult> Pull(absl::Span<float* const> values) override {
     return inner_->Pull(values);
