@@ -24,7 +24,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // UTF-8 characters, and says how many bytes of the middle it left out.
 inline constexpr size_t kMaxEncodedStatusMessageBytes = 4096;
 std::string FitStatusMessage(absl::string_view message);
-// `peer` (e.g. "ps shard 1 at localhost:2223") prefixes the message so the
+// `peer` (e.g. "ps shard 1 (localhost:2223)") prefixes the message so the
 // user sees which server answered.
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer = {});
 

@@ -125,7 +125,7 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
 // The ps shards may start after the chief (a cluster's pods start in any
 // order): as TensorFlow's chief does, it waits for every shard to answer,
 // as long as the other workers wait for it, saying so on `progress`. A
-// client's own retries give up after some 17 s.
+// client's own retries give up after about 16 s.
 absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
   const absl::Time deadline = absl::Now() + options.wait_for_variables;
   while (true) {
@@ -288,7 +288,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   PullResult read;
   {
     const absl::Time t = absl::Now();
-    PSFLOW_ASSIGN_OR_RETURN(read, client->Pull(params[0].ptrs));
+    absl::StatusOr<PullResult> first = client->Pull(params[0].ptrs);
+    if (!first.ok()) return InCall(first.status(), "the first pull, before training");
+    read = *first;
     summary.pull_s += Seconds(t);
   }
   params[1].CopyFrom(params[0]);  // same values, own storage
@@ -408,7 +410,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     if (options.is_chief || last) {
       t = absl::Now();
       // Evaluate the newest variables of the whole job.
-      PSFLOW_RETURN_IF_ERROR(client->Pull(params[0].ptrs).status());
+      if (absl::Status s = client->Pull(params[0].ptrs).status(); !s.ok()) {
+        return InCall(s, absl::StrCat("the pull for the evaluation after epoch ", epoch + 1));
+      }
       summary.pull_s += Seconds(t);
       t = absl::Now();
       PSFLOW_RETURN_IF_ERROR(Evaluate(backend, params[0].cptrs, test, options.batch_size,
