@@ -69,7 +69,18 @@ absl::Status CheckGrpcArgs(const char* flag, const GrpcArgs& args) {
   for (const auto& [name, value] : args) {
     if (IsStringArg(name)) continue;  // any text, digits included
     int as_int = 0;
-    if (absl::SimpleAtoi(value, &as_int)) continue;
+    if (absl::SimpleAtoi(value, &as_int)) {
+      // psflow sets the message size limits: a shard's from its
+      // --max_chunk_bytes (where the value given was silently overridden),
+      // a worker's to none, which pulls of any model need.
+      if (name == "grpc.max_receive_message_length" || name == "grpc.max_send_message_length") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--", flag, ": ", name, "=", value,
+            " is not taken: psflow sets the message size limits (a shard's from its "
+            "--max_chunk_bytes, a worker's to none); size the messages with --max_chunk_bytes"));
+      }
+      continue;
+    }
     int64_t as_long = 0;
     if (absl::SimpleAtoi(value, &as_long)) {
       return absl::InvalidArgumentError(

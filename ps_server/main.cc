@@ -127,7 +127,8 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "experiments, e.g. grpc.experimental.tcp_min_read_chunk_size=262144; each replaces "
           "the default of the same name, if any: grpc.keepalive_time_ms=30000, "
           "grpc.keepalive_timeout_ms=10000 and grpc.http2.min_ping_interval_without_data_ms=10000, "
-          "the least time between the clients' pings).");
+          "the least time between the clients' pings). The message size limits are set from "
+          "--max_chunk_bytes and are not taken here.");
 ABSL_FLAG(int64_t, max_chunk_bytes, 4 << 20,
           "Largest tensor data accepted in one segment of a stream message (a message may add "
           "1 MiB of framing), and the largest Pull answer sent, framing included (4 bytes to "

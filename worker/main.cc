@@ -87,7 +87,8 @@ ABSL_FLAG(std::vector<std::string>, grpc_arg, {},
           "Extra gRPC channel arguments of the connections to the ps shards, "
           "name=value[,name=value...] (for tuning experiments; grpc.keepalive_time_ms and "
           "grpc.keepalive_timeout_ms replace the default keepalive, a ping every 30000 ms while "
-          "calls are open and 20000 ms to answer it, also the sockets' TCP_USER_TIMEOUT).");
+          "calls are open and 20000 ms to answer it, also the sockets' TCP_USER_TIMEOUT). The "
+          "message size limits are psflow's (none) and are not taken here.");
 ABSL_FLAG(int, ps_streams, 0,
           "Connections per ps shard that each push, pull (or PushPull) is split over, so that "
           "the shard receives it on several threads; 1 to 64, or 0 = 4 with 8 or more usable "

@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpc/grpc.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -51,6 +52,14 @@ TEST(CheckGrpcArgsTest, RefusesValuesGrpcWouldDrop) {
   EXPECT_THAT(word.message(), ::testing::HasSubstr("grpc.so_reuseport=false is not an integer"));
   EXPECT_THAT(word.message(), ::testing::HasSubstr("1 and 0 for true and false"));
   EXPECT_THAT(word.message(), ::testing::HasSubstr("grpc.optimization_target"));
+  // The message size limits are psflow's own: a value was taken silently
+  // and then overridden.
+  for (const char* name : {"grpc.max_receive_message_length", "grpc.max_send_message_length"}) {
+    const absl::Status managed = CheckGrpcArgs("grpc_arg", {{name, "10"}});
+    EXPECT_EQ(managed.code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_THAT(managed.message(), ::testing::HasSubstr(absl::StrCat(name, "=10 is not taken")));
+    EXPECT_THAT(managed.message(), ::testing::HasSubstr("--max_chunk_bytes"));
+  }
   EXPECT_TRUE(CheckGrpcArgs("grpc_arg", {{"grpc.so_reuseport", "0"},
                                          {"grpc.optimization_target", "throughput"},
                                          {"grpc.lb_policy_name", "round_robin"}})
