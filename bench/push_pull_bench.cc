@@ -1037,8 +1037,10 @@ int main(int argc, char** argv) {
                 FormatThreadCpu(t.self_threads).c_str(), FormatThreadCpu(t.server_threads).c_str());
     // With client and shards on this machine's cores, an operation takes at
     // least its CPU time over the cores (as a mean): the best vs_raw that
-    // its CPU cost leaves, before any scheduling loss, per byte moved. (Softirq time charged
-    // to other processes is not counted, so the true bound is lower still.)
+    // its CPU cost leaves, per byte moved, before any scheduling loss.
+    // (Softirq time charged to other processes is not counted, and the
+    // cores are all the machine's online ones, whatever the affinity, so
+    // the true bound is lower still.)
     const double cpu_floor_s = (t.self_cpu_s + t.server_cpu_s) / static_cast<double>(cores);
     const double cpu_bound = cpu_floor_s > 0 ? (moved / bytes) * raw.median_s / cpu_floor_s : 0;
     std::printf("       %s: its CPU (%.2f ms) over %ld cores allows at best %.2f of raw\n", op,
