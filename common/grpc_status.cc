@@ -58,6 +58,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
                       FitStatusMessage(status.message()));
 }
 
+absl::Status FromServerStatus(const grpc::Status& status, absl::string_view peer) {
+  if (status.error_code() != grpc::StatusCode::CANCELLED) return FromGrpcStatus(status, peer);
+  // gRPC's own cancellation says only "CANCELLED".
+  const std::string& said = status.error_message();
+  const bool bare = said.empty() || said == "CANCELLED" || said == "Cancelled";
+  return absl::UnavailableError(
+      absl::StrCat(peer, peer.empty() ? "" : ": ", "the server ended the call (CANCELLED",
+                   bare ? "" : ": ", bare ? "" : said, "), as a server that is stopping does"));
+}
+
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer) {
   if (status.ok()) return absl::OkStatus();
   const auto code = static_cast<absl::StatusCode>(status.error_code());

@@ -27,6 +27,13 @@ std::string FitStatusMessage(absl::string_view message);
 // `peer` (e.g. "ps shard 1 (localhost:2223)") prefixes the message so the
 // user sees which server answered.
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer = {});
+// As FromGrpcStatus, for a call that the client did not cancel itself, so
+// that a CANCELLED was the server's doing (or a proxy's). A shard stopped
+// by SIGTERM ended so, with no message, a push that reached it as it
+// stopped: the worker gave up at once with a bare "CANCELLED". That is a
+// peer going away, not a refusal: it becomes UNAVAILABLE, which callers
+// retry, and says so.
+absl::Status FromServerStatus(const grpc::Status& status, absl::string_view peer);
 
 }  // namespace psflow
 

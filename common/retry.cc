@@ -48,7 +48,8 @@ absl::Duration Backoff::Next() {
 }
 
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
-                       const std::function<void(absl::Duration)>& wait_for) {
+                       const std::function<void(absl::Duration)>& wait_for,
+                       const RetryObserver& observe) {
   Backoff backoff(options);
   absl::Status status;
   const int attempts = std::max(1, options.max_attempts);
@@ -68,6 +69,7 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
       past_window = true;
       break;
     }
+    if (observe) observe(status, i + 1, attempts, wait);
     if (wait_for) {
       wait_for(wait);
     } else {

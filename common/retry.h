@@ -56,6 +56,12 @@ class Backoff {
   absl::BitGen gen_;
 };
 
+// Told of each retry before its wait: the status the last attempt failed
+// with, the number of the attempt to come (2 for the first retry), the most
+// attempts the call may make, and the wait before it.
+using RetryObserver = std::function<void(const absl::Status& failed, int next_attempt,
+                                         int max_attempts, absl::Duration wait)>;
+
 // Runs `attempt` until it succeeds, fails with a non-retryable status, or
 // `max_attempts` are spent (or `max_deadline_attempts` ended in
 // DEADLINE_EXCEEDED), or another would start past `retry_window`; waits
@@ -63,9 +69,11 @@ class Backoff {
 // `wait_for` with the backoff (a gRPC client watches its channels there, so
 // that their reconnection goes on meanwhile; it should return after about
 // that long). No attempt starts past `retry_window`, checked before each
-// wait and after it. The final error says how many attempts were made.
+// wait and after it. `observe`, where given, hears of each retry before
+// its wait. The final error says how many attempts were made.
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
-                       const std::function<void(absl::Duration)>& wait_for = nullptr);
+                       const std::function<void(absl::Duration)>& wait_for = nullptr,
+                       const RetryObserver& observe = nullptr);
 
 }  // namespace psflow
 

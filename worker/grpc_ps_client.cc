@@ -186,7 +186,8 @@ class GrpcPsClient final : public PsClient {
         scan_threads_(std::clamp<int>(UsableCores(), 1, kMaxScanThreads)),
         push_retry_(std::make_shared<const RetryOptions>(
             PushRetryOptions(options, options.request_id_retention, ""))),
-        shards_(plan_.num_shards()) {
+        shards_(plan_.num_shards()),
+        last_retry_report_(plan_.num_shards(), absl::InfinitePast()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
@@ -326,13 +327,14 @@ class GrpcPsClient final : public PsClient {
       // Every shard's state first: what it holds, how large a message it
       // takes, and which start of it this is.
       PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-        return RetryOnShard(s, options_.retry, [&] { return StatusOnce(s, &statuses[s]); });
+        return RetryOnShard(s, "GetStatus", options_.retry,
+                            [&] { return StatusOnce(s, &statuses[s]); });
       }));
       PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
       LearnIncarnations(statuses);
       const absl::Status registered = ForEachShard(plan_.num_shards(), [&](int s) {
         int sent = 0;  // registrations sent to the shard
-        return RetryOnShard(s, options_.retry, [&] {
+        return RetryOnShard(s, "RegisterVariables", options_.retry, [&] {
           // How large a message the shard takes, before sending it any
           // (again on a retry), and whether it is still the one checked.
           if (sent > 0) {
@@ -455,7 +457,7 @@ class GrpcPsClient final : public PsClient {
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
       // Nothing to read there (an empty request would read all it holds).
       if (shards_[s].parts.empty()) return absl::OkStatus();
-      return RetryOnShard(s, options_.retry, [&] {
+      return RetryOnShard(s, "Pull", options_.retry, [&] {
         std::vector<PullResult> parts(NumStreams(s));
         PSFLOW_RETURN_IF_ERROR(ForEachStream(s, [&](int k, size_t, size_t, absl::Time deadline) {
           return PullOnce(s, k, deadline, values, &parts[k]);
@@ -500,7 +502,7 @@ class GrpcPsClient final : public PsClient {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       // One id per logical push and shard, kept across retries.
       const uint64_t request_id = NewRequestId();
-      return RetryOnShard(s, *push_retry, [&] {
+      return RetryOnShard(s, "Push", *push_retry, [&] {
         return ForEachStream(s, [&](int k, size_t begin, size_t end, absl::Time deadline) {
           return PushOnce(s, k, begin, end, deadline, grads, {info, request_id, checked}, refs);
         });
@@ -522,7 +524,7 @@ class GrpcPsClient final : public PsClient {
     const absl::Status status = ForEachShard(plan_.num_shards(), [&](int s) {
       if (shards_[s].parts.empty()) return absl::OkStatus();
       const uint64_t request_id = NewRequestId();
-      return RetryOnShard(s, *push_retry, [&] {
+      return RetryOnShard(s, "PushPull", *push_retry, [&] {
         const int streams = NumStreams(s);
         std::vector<PullResult> parts(streams);
         std::vector<int64_t> received(streams, 0);
@@ -552,7 +554,7 @@ class GrpcPsClient final : public PsClient {
     }
     std::vector<StatusResponse> out(plan_.num_shards());
     PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
-      return RetryOnShard(s, retry,
+      return RetryOnShard(s, "GetStatus", retry,
                           [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });
     }));
     return out;
@@ -601,11 +603,31 @@ class GrpcPsClient final : public PsClient {
     }
   }
 
-  // RetryCall for a call to shard s, each backoff spent watching the
-  // shard's channels.
-  absl::Status RetryOnShard(int s, const RetryOptions& options,
+  // RetryCall for `call` to shard s, each backoff spent watching the
+  // shard's channels, its retries told to options_.retrying.
+  absl::Status RetryOnShard(int s, absl::string_view call, const RetryOptions& options,
                             const std::function<absl::Status()>& attempt) {
-    return RetryCall(options, attempt, [this, s](absl::Duration wait) { WatchChannels(wait, s); });
+    RetryObserver observe;
+    if (options_.retrying) {
+      observe = [this, s, call](const absl::Status& failed, int next, int most,
+                                absl::Duration wait) {
+        if (TakeRetryReport(s)) options_.retrying(call, failed, next, most, wait);
+      };
+    }
+    return RetryCall(
+        options, attempt, [this, s](absl::Duration wait) { WatchChannels(wait, s); }, observe);
+  }
+
+  // Whether a retry of shard s's calls is to be told now: the first is,
+  // then one every retry_report_interval at most (a push split over four
+  // connections, or a push and a pull at once, retry together).
+  bool TakeRetryReport(int s) {
+    absl::MutexLock lock(&report_mu_);
+    const absl::Time now = absl::Now();
+    absl::Time& last = last_retry_report_[s];
+    if (last != absl::InfinitePast() && now - last < options_.retry_report_interval) return false;
+    last = now;
+    return true;
   }
 
   // One received Pull message: its slices (references, no copy) and the
@@ -1008,7 +1030,7 @@ class GrpcPsClient final : public PsClient {
       msg.clear_header();
       if (!ok) {
         writer->WritesDone();
-        return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
+        return NameChunkLimit(s, FromServerStatus(writer->Finish(), shard.name));
       }
     }
     // The initial values in the messages a push would use.
@@ -1027,7 +1049,7 @@ class GrpcPsClient final : public PsClient {
       msg.Clear();
     }
     writer->WritesDone();
-    return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
+    return NameChunkLimit(s, FromServerStatus(writer->Finish(), shard.name));
   }
 
   // Writes messages [begin, end) of shard s's push of `grads` as
@@ -1143,7 +1165,7 @@ class GrpcPsClient final : public PsClient {
         grpc::internal::ClientWriterFactory<grpc::ByteBuffer>::Create(
             conn.channel.get(), *conn.push_method, &context, &response));
     WritePush(s, begin, end, grads, call, refs, writer.get(), [&] { return writer->WritesDone(); });
-    return NameChunkLimit(s, FromGrpcStatus(writer->Finish(), shard.name));
+    return NameChunkLimit(s, FromServerStatus(writer->Finish(), shard.name));
   }
 
   // Returns `status` once gRPC holds none of the gradient slices counted by
@@ -1189,7 +1211,7 @@ class GrpcPsClient final : public PsClient {
         reader->Finish();
         return bad;
       }
-      PSFLOW_RETURN_IF_ERROR(FromGrpcStatus(reader->Finish(), shard.name));
+      PSFLOW_RETURN_IF_ERROR(FromServerStatus(reader->Finish(), shard.name));
       if (r > 0) {
         result->min_version = std::min(result->min_version, later.min_version);
         result->max_version = std::max(result->max_version, later.max_version);
@@ -1233,7 +1255,7 @@ class GrpcPsClient final : public PsClient {
     writer.join();
     const grpc::Status status = stream->Finish();
     PSFLOW_RETURN_IF_ERROR(bad);
-    return NameChunkLimit(s, FromGrpcStatus(status, shard.name));
+    return NameChunkLimit(s, FromServerStatus(status, shard.name));
   }
 
   // Shard s's status with a page of at most `page_size` parts (0: a full
@@ -1245,7 +1267,7 @@ class GrpcPsClient final : public PsClient {
     SetDeadline(&context, cap);
     StatusRequest request;
     request.set_page_size(page_size);
-    return FromGrpcStatus(shards_[s].stub->GetStatus(&context, request, out), shards_[s].name);
+    return FromServerStatus(shards_[s].stub->GetStatus(&context, request, out), shards_[s].name);
   }
 
   // Every shard's status (one part of each), each call ending by `cap` at
@@ -1284,6 +1306,9 @@ class GrpcPsClient final : public PsClient {
   mutable absl::Mutex policy_mu_;
   std::shared_ptr<const RetryOptions> push_retry_ ABSL_GUARDED_BY(policy_mu_);
   std::vector<Shard> shards_;
+  absl::Mutex report_mu_;
+  // When a retry of each shard's calls was last told.
+  std::vector<absl::Time> last_retry_report_ ABSL_GUARDED_BY(report_mu_);
   absl::Mutex id_mu_;
   absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);
 };

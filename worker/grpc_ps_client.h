@@ -1,10 +1,12 @@
 // The gRPC PsClient: one channel per PS shard (or several, see
 // streams_per_shard), every call with a deadline,
-// transient failures (UNAVAILABLE, DEADLINE_EXCEEDED) retried with capped
-// exponential backoff and jitter.
+// transient failures (UNAVAILABLE, DEADLINE_EXCEEDED, and a CANCELLED that
+// the shard caused: FromServerStatus) retried with capped exponential
+// backoff and jitter.
 #ifndef PSFLOW_WORKER_GRPC_PS_CLIENT_H_
 #define PSFLOW_WORKER_GRPC_PS_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -12,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "common/grpc_args.h"
@@ -20,6 +23,13 @@
 #include "worker/ps_client.h"
 
 namespace psflow::worker {
+
+// Told of a retry of a call to a shard (GrpcPsClientOptions::retrying):
+// the call ("Push", "Pull", ...), the status its last attempt failed with
+// (naming the shard), the attempt to come, the most there may be, and the
+// wait before it.
+using RetryingFn = std::function<void(absl::string_view call, const absl::Status& failed,
+                                      int next_attempt, int max_attempts, absl::Duration wait)>;
 
 struct GrpcPsClientOptions {
   std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
@@ -37,6 +47,15 @@ struct GrpcPsClientOptions {
   int64_t max_chunk_bytes = 1 << 20;
   absl::Duration rpc_timeout = absl::Seconds(60);  // deadline of each call
   RetryOptions retry;
+  // Told of the retries of calls to the shards, so that a user whose shard
+  // went away hears of it while the client retries (for about 16 s against
+  // a refused connection, at the default retry options) rather than only
+  // when it gives up. The first retry of a shard's calls is told, then at
+  // most one every retry_report_interval for that shard. Called on the
+  // calling thread, or on a thread of the client's own for a call split
+  // over connections or shards; it must not call the client.
+  RetryingFn retrying;
+  absl::Duration retry_report_interval = absl::Seconds(5);
   // How often WaitForVariables tells its `waiting` what is still missing
   // (first after this much waiting).
   absl::Duration waiting_report_interval = absl::Seconds(10);

@@ -375,6 +375,18 @@ int main(int argc, char** argv) {
                  "the deadline, so that none is applied twice)\n",
                  retention_s, absl::GetFlag(FLAGS_rpc_timeout_s));
   }
+  // A shard gone away is retried for about 16 s before the worker gives
+  // up: say so while it happens, as TensorFlow logs its retries.
+  client_options.retrying = [replica](absl::string_view call, const absl::Status& failed,
+                                      int next_attempt, int max_attempts, absl::Duration wait) {
+    const std::string line = psflow::ErrorLine(
+        absl::StrCat("worker ", replica),
+        absl::StrCat("retrying a ", call, " (attempt ", next_attempt, " of ", max_attempts, ", in ",
+                     absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1))), ") after ",
+                     failed.ToString()));
+    std::fputs(line.c_str(), stderr);
+    std::fflush(stderr);
+  };
   auto client = CreateGrpcPsClient(model->variables, client_options);
   if (!client.ok()) return Fail(client.status());
 

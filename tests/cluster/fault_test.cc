@@ -101,6 +101,35 @@ TEST_F(FaultTest, KilledShardEndsTheWorkerWithAnErrorNamingIt) {
                   "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, batch "
                   "[0-9]+\\): ps shard 1 \\(",
                   cluster.ps[1], "\\): .* \\(gave up after")));
+  // While it retried, it said so.
+  EXPECT_THAT(log, ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of "
+                                 "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
+  EXPECT_TRUE(NoSanitizerReport(log));
+  ExpectShardStopsCleanly(0);
+}
+
+// A shard stopped by SIGTERM mid-training (a pod deleted, a Ctrl-C): as
+// for a killed one, the worker retries and then ends naming the shard.
+// A call that reached the shard as it stopped was ended by it with a bare
+// CANCELLED, on which the worker gave up at once (in about half of the
+// runs).
+TEST_F(FaultTest, StoppedShardEndsTheWorkerAsUnreachableNotCancelled) {
+  const LocalCluster cluster(2, 1);
+  StartShards(cluster);
+  const pid_t worker = StartWorker(cluster, 0, {"--epochs=2"});
+  ASSERT_TRUE(Training(0, worker));
+
+  ExpectShardStopsCleanly(1);
+  const int code = Reap(worker, std::chrono::seconds(180));
+  const std::string log = ReadFile(WorkerLog(0));
+  EXPECT_EQ(code, 1) << log;
+  EXPECT_THAT(log,
+              ContainsRegex(absl::StrCat(
+                  "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, batch "
+                  "[0-9]+\\): ps shard 1 \\(",
+                  cluster.ps[1], "\\): .* \\(gave up after")));
+  EXPECT_THAT(log, HasSubstr("worker 0: retrying a "));
+  EXPECT_THAT(log, ::testing::Not(HasSubstr("worker: CANCELLED")));
   EXPECT_TRUE(NoSanitizerReport(log));
   ExpectShardStopsCleanly(0);
 }

@@ -2257,6 +2257,55 @@ TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
   }
 }
 
+// A call that the shard ended with CANCELLED, as a shard stopping does with
+// a call that reached it as it stopped, is retried as a shard gone away
+// (the worker used to give up at once on a bare "CANCELLED"): a push is
+// applied once, a pull reads. Each retry is told to the client's
+// `retrying`, naming the call, the shard and what happened.
+TEST_F(PsClusterTest, CallEndedByTheShardIsRetriedAndTold) {
+  auto cancel = std::make_shared<std::atomic<int>>(0);
+  interceptors_ = [&] {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
+    for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/Pull"}) {
+      v.push_back(std::make_unique<LoseReplies>(method, cancel, grpc::StatusCode::CANCELLED));
+    }
+    return v;
+  };
+  StartCluster(1, SgdLr1());
+  const std::vector<VariableSpec> vars = {{"w", {1000}}};
+  GrpcPsClientOptions options;
+  options.ps_addresses = addresses_;
+  options.rpc_timeout = absl::Seconds(30);
+  options.retry.initial_backoff = absl::Milliseconds(1);
+  options.retry_report_interval = absl::ZeroDuration();  // every retry told
+  std::vector<std::string> told;
+  absl::Mutex told_mu;
+  options.retrying = [&](absl::string_view call, const absl::Status& failed, int next, int most,
+                         absl::Duration) {
+    absl::MutexLock lock(&told_mu);
+    told.push_back(
+        absl::StrCat(call, " attempt ", next, " of ", most, " after ", failed.ToString()));
+  };
+  auto client = CreateGrpcPsClient(vars, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Register(Make(vars, 0.0f).cptrs()).ok());
+  *cancel = 1;
+  const absl::Status pushed = (*client)->Push(Make(vars, 1.0f).cptrs(), {1, 0});
+  ASSERT_TRUE(pushed.ok()) << pushed;
+  EXPECT_LE(cancel->load(), 0) << "no call was ended: nothing was retried";
+  *cancel = 1;
+  Tensors got = Make(vars, -99.0f);
+  ASSERT_TRUE((*client)->Pull(got.ptrs()).ok());
+  EXPECT_LE(cancel->load(), 0);
+  EXPECT_THAT(got.data[0], ::testing::Each(-1.0f)) << "the push applied once";
+  const std::string ended = absl::StrCat(" after UNAVAILABLE: ps shard 0 (", addresses_[0],
+                                         "): the server ended the call (CANCELLED: reply lost), "
+                                         "as a server that is stopping does");
+  absl::MutexLock lock(&told_mu);
+  EXPECT_THAT(
+      told, ::testing::ElementsAre("Push attempt 2 of 10" + ended, "Pull attempt 2 of 10" + ended));
+}
+
 // A client told to expect the default retention (15 minutes) learns from
 // the shard, when it registers, that the shard keeps ids for only as long as
 // one deadline: a push whose reply was lost is then not retried (a retry

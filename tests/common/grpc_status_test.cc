@@ -107,6 +107,31 @@ TEST(FitStatusMessageTest, BytesThatAreNotUtf8LoseNoMoreThanTheBudget) {
   EXPECT_LE(Encoded(FitStatusMessage(lone)), kMaxEncodedStatusMessageBytes);
 }
 
+// A CANCELLED that the client did not ask for is the server going away:
+// retried as UNAVAILABLE, and said so. Every other code is kept.
+TEST(FromServerStatusTest, CancelledByTheServerIsRetriedAsUnavailable) {
+  // gRPC's own words are only the code's name.
+  for (const char* bare_message : {"", "CANCELLED", "Cancelled"}) {
+    const absl::Status bare = FromServerStatus(
+        grpc::Status(grpc::StatusCode::CANCELLED, bare_message), "ps shard 1 (h:1)");
+    EXPECT_EQ(bare.code(), absl::StatusCode::kUnavailable);
+    EXPECT_EQ(bare.message(),
+              "ps shard 1 (h:1): the server ended the call (CANCELLED), as a server that is "
+              "stopping does");
+  }
+  const absl::Status said =
+      FromServerStatus(grpc::Status(grpc::StatusCode::CANCELLED, "Pull: cancelled"), "");
+  EXPECT_EQ(said.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(said.message(),
+            "the server ended the call (CANCELLED: Pull: cancelled), as a server that is "
+            "stopping does");
+  for (grpc::StatusCode code : {grpc::StatusCode::OK, grpc::StatusCode::NOT_FOUND,
+                                grpc::StatusCode::ABORTED, grpc::StatusCode::UNAVAILABLE}) {
+    const grpc::Status status(code, code == grpc::StatusCode::OK ? "" : "why");
+    EXPECT_EQ(FromServerStatus(status, "p"), FromGrpcStatus(status, "p")) << code;
+  }
+}
+
 TEST(ToGrpcStatusTest, KeepsTheCodeAndFitsTheMessage) {
   const grpc::Status ok = ToGrpcStatus(absl::OkStatus());
   EXPECT_TRUE(ok.ok());

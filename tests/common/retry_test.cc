@@ -57,6 +57,37 @@ TEST(RetryCallTest, WaitsThroughTheCallersWaitWhereGiven) {
                                             absl::Milliseconds(400), absl::Milliseconds(400)));
 }
 
+// The observer hears of each retry, before its wait: the failure that
+// caused it, the attempt to come and the wait. Nothing after the last
+// attempt, and nothing for a call that needed no retry.
+TEST(RetryCallTest, ObserverHearsOfEachRetryBeforeItsWait) {
+  RetryOptions o;
+  o.initial_backoff = absl::Milliseconds(100);
+  o.max_backoff = absl::Milliseconds(200);
+  o.jitter = 0;
+  o.max_attempts = 4;
+  std::vector<std::string> events;
+  int calls = 0;
+  const absl::Status s = RetryCall(
+      o, [&] { return absl::UnavailableError(absl::StrCat("refused ", ++calls)); },
+      [&](absl::Duration d) { events.push_back(absl::StrCat("wait ", absl::FormatDuration(d))); },
+      [&](const absl::Status& failed, int next, int most, absl::Duration wait) {
+        events.push_back(absl::StrCat(failed.message(), ", attempt ", next, " of ", most, " in ",
+                                      absl::FormatDuration(wait)));
+      });
+  EXPECT_TRUE(absl::IsUnavailable(s));
+  EXPECT_THAT(events, ::testing::ElementsAre("refused 1, attempt 2 of 4 in 100ms", "wait 100ms",
+                                             "refused 2, attempt 3 of 4 in 200ms", "wait 200ms",
+                                             "refused 3, attempt 4 of 4 in 200ms", "wait 200ms"));
+
+  events.clear();
+  ASSERT_TRUE(RetryCall(
+                  o, [] { return absl::OkStatus(); }, nullptr,
+                  [&](const absl::Status&, int, int, absl::Duration) { events.push_back("retry"); })
+                  .ok());
+  EXPECT_THAT(events, ::testing::IsEmpty());
+}
+
 // A wait that returns late (a timer that fired late) starts no attempt past
 // the retry window: the window is checked before each wait and after it.
 TEST(RetryCallTest, AWaitThatOverranTheWindowStartsNoAttempt) {
