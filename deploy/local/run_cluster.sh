@@ -5,6 +5,9 @@
 # It ends as soon as a process fails (a shard that exits, a worker that
 # exits with an error), naming it and showing the end of its log. Every
 # process it started is stopped when it ends, is interrupted, or is killed.
+# It then exits with that process's code, as `docker run` does: 128+N for
+# one killed by signal N (137: SIGKILL), which the message spells out; 1
+# for a shard that exited 0.
 #
 #   deploy/local/run_cluster.sh [worker flags...]
 #
@@ -171,10 +174,16 @@ while [ "$workers_left" -gt 0 ]; do
     workers_left=$((workers_left - 1))
     continue
   fi
+  # "exit 137 (killed by SIGKILL)": a code over 128 is the launcher's
+  # report of a signal, not the launcher being killed.
+  how="exit $status"
+  if [ "$status" -gt 128 ] && sig=$(kill -l $((status - 128)) 2>/dev/null); then
+    how="$how, killed by SIG$sig"
+  fi
   if [[ $who == ps* ]]; then
-    echo "run_cluster: $who exited (code $status) while the workers ran:" >&2
+    echo "run_cluster: $who exited ($how) while the workers ran:" >&2
   else
-    echo "run_cluster: $who failed (exit $status):" >&2
+    echo "run_cluster: $who failed ($how):" >&2
   fi
   show_log "$who"
   echo "run_cluster: stopping the others; every log is in $LOG_DIR" >&2

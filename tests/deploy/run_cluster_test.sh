@@ -63,7 +63,8 @@ if wait_for_processes 1 60 "--summary_json=$work/chief/worker-0.json"; then
   pkill -9 -f -- "--summary_json=$work/chief/worker-0.json"
   wait "$launcher"
   rc=$?
-  expect "a chief killed early" 137 "run_cluster: worker 0 failed (exit 137)" $rc "$work/chief.out"
+  expect "a chief killed early" 137 "run_cluster: worker 0 failed (exit 137, killed by SIGKILL)" $rc \
+    "$work/chief.out"
   took=$(($(date +%s) - start))
   [ "$took" -le 60 ] || fail "the run ended ${took} s after its chief was killed"
 else
