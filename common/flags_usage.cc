@@ -268,6 +268,26 @@ std::string ErrorLine(absl::string_view program, absl::string_view message) {
                       message.substr(message.size() - kTail), "\n");
 }
 
+std::string EmptyOptionalNumberProblem() {
+  std::vector<const absl::CommandLineFlag*> empty;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    const bool optional_number = flag->IsOfType<std::optional<int>>() ||
+                                 flag->IsOfType<std::optional<int64_t>>() ||
+                                 flag->IsOfType<std::optional<double>>();
+    if (optional_number && flag->CurrentValue().empty() &&
+        absl::flags_internal::WasPresentOnCommandLine(name)) {
+      empty.push_back(flag);
+    }
+  }
+  if (empty.empty()) return "";
+  const absl::CommandLineFlag* first =
+      *std::min_element(empty.begin(), empty.end(),
+                        [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  return absl::StrCat("--", first->Name(),
+                      "= has no value (in a --flagfile or --fromenv); expected ",
+                      ExpectedValue(*first), Default(*first), ", or leave the flag out");
+}
+
 void ParseFlagsOrExit(int argc, char** argv, const char* program,
                       const std::function<void()>& before_error_exit) {
   const auto fail = [&](const std::string& problem) {
@@ -294,6 +314,7 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program,
     std::cout.flush();
     std::exit(0);
   }
+  if (const std::string empty = EmptyOptionalNumberProblem(); !empty.empty()) fail(empty);
   // Abseil leaves what is not a flag, which no psflow binary reads: in
   // "--nesterov false" the bool was set by "--nesterov" and "false" was
   // dropped without a word, so the setting was the opposite of the one

@@ -35,11 +35,19 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 // follows sets them alike). Call after UnknownFlagProblem.
 std::string BadValueProblem(int argc, char** argv);
 
+// After the parse: the first optional number (by name) that was given an
+// empty value, "--port= has no value; ...", else "". Abseil reads "" as
+// "not given" there; BadValueProblem refuses that on the command line, but
+// it reads argv, and a --flagfile's "--port=" meant the default port,
+// silently.
+std::string EmptyOptionalNumberProblem();
+
 // Parses the command line as absl::ParseCommandLine does, but exits 0
 // after --help, --helpfull and their kin have printed (Abseil 20220623
 // exits 1 there, which scripts read as a failure), and first exits 1 with
 // UnknownFlagProblem's message, prefixed with "program: ", on an unknown
-// flag, and with BadValueProblem's on a value that does not parse. An
+// flag, with BadValueProblem's on a value that does not parse, and with
+// EmptyOptionalNumberProblem's after the parse. An
 // argument that is not a flag exits 1 too (none of psflow's binaries takes
 // one: "--nesterov false" would set --nesterov and drop "false").
 //

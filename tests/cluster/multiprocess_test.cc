@@ -197,13 +197,17 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     // --flagfile's line included.)
     const std::string flagfile = dir_ + "/bad.flags";
     std::ofstream(flagfile) << "--epochs=1\n--no_such_flag_in_a_file=1\n";
+    // An empty optional number in a flag file meant "not given", silently.
+    const std::string empty_flagfile = dir_ + "/empty.flags";
+    std::ofstream(empty_flagfile) << "--task_index=\n";
     for (const auto& [bad, said] :
          {std::pair<std::string, std::string>{"--dataset=no_such_dataset", "no_such_dataset"},
           {"--epochs=0", "--epochs=0"},
           {"--no_such_flag=1", "unknown flag --no_such_flag"},
           {"--epochs=three", "--epochs=three is not a whole number"},
           {"stray", "unexpected argument 'stray'"},
-          {"--flagfile=" + flagfile, "no_such_flag_in_a_file"}}) {
+          {"--flagfile=" + flagfile, "no_such_flag_in_a_file"},
+          {"--flagfile=" + empty_flagfile, "--task_index= has no value (in a --flagfile"}}) {
       std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
       const auto [code, out] =
           RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, bad, "--summary_json=" + summary});
