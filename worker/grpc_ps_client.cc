@@ -2,10 +2,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -187,7 +189,7 @@ class GrpcPsClient final : public PsClient {
         push_retry_(std::make_shared<const RetryOptions>(
             PushRetryOptions(options, options.request_id_retention, ""))),
         shards_(plan_.num_shards()),
-        last_retry_report_(plan_.num_shards(), absl::InfinitePast()) {
+        last_retry_report_(plan_.num_shards()) {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
@@ -608,7 +610,9 @@ class GrpcPsClient final : public PsClient {
   absl::Status RetryOnShard(int s, absl::string_view call, const RetryOptions& options,
                             const std::function<absl::Status()>& attempt) {
     RetryObserver observe;
-    if (options_.retrying) {
+    // Not a status check's: a worker waiting for its shards to start says
+    // so itself, every 10 s, and a shard not yet up is no failure.
+    if (options_.retrying && call != "GetStatus") {
       observe = [this, s, call](const absl::Status& failed, int next, int most,
                                 absl::Duration wait) {
         if (TakeRetryReport(s)) options_.retrying(call, failed, next, most, wait);
@@ -623,9 +627,13 @@ class GrpcPsClient final : public PsClient {
   // connections, or a push and a pull at once, retry together).
   bool TakeRetryReport(int s) {
     absl::MutexLock lock(&report_mu_);
-    const absl::Time now = absl::Now();
-    absl::Time& last = last_retry_report_[s];
-    if (last != absl::InfinitePast() && now - last < options_.retry_report_interval) return false;
+    // A clock that no time adjustment moves (a wall clock set back would
+    // silence the reports for as long).
+    const auto now = std::chrono::steady_clock::now();
+    std::optional<std::chrono::steady_clock::time_point>& last = last_retry_report_[s];
+    if (last.has_value() && absl::FromChrono(now - *last) < options_.retry_report_interval) {
+      return false;
+    }
     last = now;
     return true;
   }
@@ -1242,7 +1250,7 @@ class GrpcPsClient final : public PsClient {
         WritePush(s, begin, end, grads, call, refs, stream.get(),
                   [&] { return stream->WritesDone(); });
       });
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {  // std::system_error, or std::bad_alloc
       // Nothing was written: the shard sees a push without messages.
       context.TryCancel();
       stream->Finish();
@@ -1285,7 +1293,13 @@ class GrpcPsClient final : public PsClient {
   static RetryOptions PushRetryOptions(const GrpcPsClientOptions& options, absl::Duration retention,
                                        absl::string_view shard) {
     RetryOptions retry = options.retry;
-    retry.retry_window = std::max(absl::ZeroDuration(), retention - options.rpc_timeout);
+    // Less a second: the shard dates an id from its first applied segment,
+    // which reached it a one-way trip after the push began, and a retry's
+    // deadline there ends a one-way trip later than the client's (and gRPC
+    // rounds it up). Those trips differ by milliseconds, in either
+    // direction; the second keeps the retry inside the retention.
+    retry.retry_window =
+        std::max(absl::ZeroDuration(), retention - options.rpc_timeout - kRetentionMargin);
     retry.window_reason =
         absl::StrCat("when the ps shard may have forgotten the push's request id (",
                      shard.empty() ? "it keeps them " : absl::StrCat(shard, " keeps them "),
@@ -1296,6 +1310,7 @@ class GrpcPsClient final : public PsClient {
 
   // A gradient's NaN/Inf scan uses at most this many threads.
   static constexpr int kMaxScanThreads = 8;
+  static constexpr absl::Duration kRetentionMargin = absl::Seconds(1);
 
   const PartitionPlan plan_;
   const GrpcPsClientOptions options_;
@@ -1308,7 +1323,8 @@ class GrpcPsClient final : public PsClient {
   std::vector<Shard> shards_;
   absl::Mutex report_mu_;
   // When a retry of each shard's calls was last told.
-  std::vector<absl::Time> last_retry_report_ ABSL_GUARDED_BY(report_mu_);
+  std::vector<std::optional<std::chrono::steady_clock::time_point>> last_retry_report_
+      ABSL_GUARDED_BY(report_mu_);
   absl::Mutex id_mu_;
   absl::BitGen id_gen_ ABSL_GUARDED_BY(id_mu_);
 };

@@ -51,9 +51,13 @@ struct GrpcPsClientOptions {
   // went away hears of it while the client retries (for about 16 s against
   // a refused connection, at the default retry options) rather than only
   // when it gives up. The first retry of a shard's calls is told, then at
-  // most one every retry_report_interval for that shard. Called on the
-  // calling thread, or on a thread of the client's own for a call split
-  // over connections or shards; it must not call the client.
+  // most one every retry_report_interval for that shard (0: every one).
+  // Not told: GetStatus's retries (WaitForShards' callers say what they
+  // wait for). A retry is told before its wait; one whose wait runs past
+  // the retry window is then not made, and the call ends with its error.
+  // It may be called from several threads at once (one per shard of a
+  // call, and a Push and a Pull may run together): it must be thread-safe,
+  // and must not call the client.
   RetryingFn retrying;
   absl::Duration retry_report_interval = absl::Seconds(5);
   // How often WaitForVariables tells its `waiting` what is still missing
@@ -62,8 +66,9 @@ struct GrpcPsClientOptions {
   // How long the ps shards remember a push's request id (their
   // --request_id_retention_s). A push is retried only while that is sure to
   // hold: no retry starts later than request_id_retention less rpc_timeout
-  // after the push began (the retry's messages reach the shard within its
-  // deadline), so no retried push is applied twice, as long as the shard
+  // (and a second's margin) after the push began (the retry's messages
+  // reach the shard within its deadline), so no retried push is applied
+  // twice, as long as the shard
   // keeps ids that long (it forgets them early, and says so, only beyond
   // its --request_ledger_bytes: at the defaults, past about 160 pushes a
   // second). With the defaults (15 minutes, 60 s) this never cuts the

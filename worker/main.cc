@@ -368,11 +368,12 @@ int main(int argc, char** argv) {
         absl::StrCat("--request_id_retention_s is ", retention_s, "; expected 0 to 1e9 seconds")));
   }
   client_options.request_id_retention = absl::Seconds(retention_s);
-  if (retention_s <= absl::GetFlag(FLAGS_rpc_timeout_s)) {
+  // (The client keeps a second's margin: GrpcPsClientOptions.)
+  if (retention_s <= absl::GetFlag(FLAGS_rpc_timeout_s) + 1) {
     std::fprintf(stderr,
-                 "worker: warning: --request_id_retention_s=%g is not above --rpc_timeout_s=%d: "
-                 "no failed push will be retried (a retry must start within the retention less "
-                 "the deadline, so that none is applied twice)\n",
+                 "worker: warning: --request_id_retention_s=%g is not above --rpc_timeout_s=%d "
+                 "plus 1 s: no failed push will be retried (a retry must start within the "
+                 "retention less the deadline and a second, so that none is applied twice)\n",
                  retention_s, absl::GetFlag(FLAGS_rpc_timeout_s));
   }
   // A shard gone away is retried for about 16 s before the worker gives

@@ -2260,13 +2260,14 @@ TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
 // A call that the shard ended with CANCELLED, as a shard stopping does with
 // a call that reached it as it stopped, is retried as a shard gone away
 // (the worker used to give up at once on a bare "CANCELLED"): a push is
-// applied once, a pull reads. Each retry is told to the client's
-// `retrying`, naming the call, the shard and what happened.
+// applied once, a pull reads. Each retry but a status check's is told to
+// the client's `retrying`, naming the call, the shard and what happened.
 TEST_F(PsClusterTest, CallEndedByTheShardIsRetriedAndTold) {
   auto cancel = std::make_shared<std::atomic<int>>(0);
   interceptors_ = [&] {
     std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> v;
-    for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/Pull"}) {
+    for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/Pull",
+                               "/psflow.ParameterServer/GetStatus"}) {
       v.push_back(std::make_unique<LoseReplies>(method, cancel, grpc::StatusCode::CANCELLED));
     }
     return v;
@@ -2298,6 +2299,11 @@ TEST_F(PsClusterTest, CallEndedByTheShardIsRetriedAndTold) {
   ASSERT_TRUE((*client)->Pull(got.ptrs()).ok());
   EXPECT_LE(cancel->load(), 0);
   EXPECT_THAT(got.data[0], ::testing::Each(-1.0f)) << "the push applied once";
+  // A status check's retries are retried but not told (a worker waiting
+  // for its shards to start says so itself).
+  *cancel = 1;
+  ASSERT_TRUE((*client)->GetStatus().ok());
+  EXPECT_LE(cancel->load(), 0);
   const std::string ended = absl::StrCat(" after UNAVAILABLE: ps shard 0 (", addresses_[0],
                                          "): the server ended the call (CANCELLED: reply lost), "
                                          "as a server that is stopping does");
