@@ -7,7 +7,9 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -122,6 +124,15 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
   }
 }
 
+// `status` with the call that failed (and its step) before its message;
+// its code and payloads (GradientStillHeld) kept.
+absl::Status InCall(const absl::Status& status, absl::string_view call) {
+  absl::Status out(status.code(), absl::StrCat(call, ": ", status.message()));
+  status.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
+}
+
 // The ps shards may start after the chief (a cluster's pods start in any
 // order): as TensorFlow's chief does, it waits for every shard to answer,
 // as long as the other workers wait for it, saying so on `progress`. A
@@ -136,7 +147,9 @@ absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
     absl::StatusOr<std::vector<StatusResponse>> statuses = client->GetStatus(
         std::max(std::min(deadline, now + absl::Seconds(10)), now + absl::Seconds(1)));
     if (statuses.ok()) return absl::OkStatus();
-    if (!IsRetryable(statuses.status())) return statuses.status();
+    if (!IsRetryable(statuses.status())) {
+      return InCall(statuses.status(), "checking the ps shards' status");
+    }
     if (absl::Now() >= deadline) {
       return absl::DeadlineExceededError(
           absl::StrCat("the ps shards did not all answer within ",
@@ -150,15 +163,6 @@ absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
     }
     absl::SleepFor(std::min(absl::Seconds(1), deadline - absl::Now()));
   }
-}
-
-// `status` with the call that failed (and its step) before its message;
-// its code and payloads (GradientStillHeld) kept.
-absl::Status InCall(const absl::Status& status, absl::string_view call) {
-  absl::Status out(status.code(), absl::StrCat(call, ": ", status.message()));
-  status.ForEachPayload(
-      [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
-  return out;
 }
 
 }  // namespace
@@ -247,7 +251,9 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     std::vector<std::vector<float>> init = InitializeVariables(model, options.seed);
     std::vector<const float*> init_ptrs;
     for (const auto& v : init) init_ptrs.push_back(v.data());
-    PSFLOW_ASSIGN_OR_RETURN(const RegisterResult registered, client->Register(init_ptrs));
+    absl::StatusOr<RegisterResult> register_result = client->Register(init_ptrs);
+    if (!register_result.ok()) return InCall(register_result.status(), "registering the model");
+    const RegisterResult& registered = *register_result;
     // A chief restarted against running shards trains on from their values,
     // not from its own initial ones: say which.
     if (options.progress != nullptr) {
@@ -353,7 +359,14 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   };
   // Declared after what its jobs use, so that on an early return it is
   // destroyed (waiting for a job still running) before them.
-  CommThread comm;
+  std::optional<CommThread> comm;
+  try {
+    comm.emplace();
+  } catch (const std::system_error& e) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("could not start the worker's thread for pushes and pulls: ", e.what(),
+                     " (is the process out of threads?)"));
+  }
 
   int64_t step = 0;
   bool capped = false;
@@ -377,16 +390,16 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                                                 batch->size, grads[cur].ptrs, &totals));
       summary.compute_s += Seconds(t);
       t = absl::Now();
-      PSFLOW_RETURN_IF_ERROR(comm.Wait());  // the previous step's push and pull
+      PSFLOW_RETURN_IF_ERROR(comm->Wait());  // the previous step's push and pull
       summary.wait_comm_s += Seconds(t);
       // Push this gradient; pull into the buffer this step used. The next
       // step uses the other buffer, which the previous job filled.
-      comm.Start([&, cur, s = step, e = epoch, b = epoch_steps] {
+      comm->Start([&, cur, s = step, e = epoch, b = epoch_steps] {
         return communicate(cur, cur, s, e, b);
       });
       if (!options.overlap) {
         t = absl::Now();
-        PSFLOW_RETURN_IF_ERROR(comm.Wait());
+        PSFLOW_RETURN_IF_ERROR(comm->Wait());
         summary.wait_comm_s += Seconds(t);
       }
       ++step;
@@ -396,7 +409,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
                       static_cast<double>(totals.correct) / seen, seen);
     }
     absl::Time t = absl::Now();
-    PSFLOW_RETURN_IF_ERROR(comm.Wait());
+    PSFLOW_RETURN_IF_ERROR(comm->Wait());
     summary.wait_comm_s += Seconds(t);
 
     EpochSummary e;

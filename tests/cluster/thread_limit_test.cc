@@ -18,11 +18,13 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
 #include "tests/cluster/loopback_server.h"
+#include "worker/data/batcher.h"
 #include "worker/grpc_ps_client.h"
 
 namespace {
@@ -212,6 +214,31 @@ TEST(ThreadLimitDeadlineTest, StreamsRunOneAfterAnotherShareTheAttemptsDeadline)
   EXPECT_LT(absl::AbsDuration(deadlines[1] - deadlines[0]), delay / 2)
       << "the second stream's deadline is " << deadlines[1] - deadlines[0] << " after the first's";
   server->Shutdown();
+}
+
+// The worker's batcher, whose thread could not be started, fails its
+// creation with a status naming the data set (it ended the process with
+// std::thread's exception).
+TEST(ThreadLimitBatcherTest, BatcherWithoutItsThreadIsRefused) {
+  worker::Dataset data;
+  data.name = "squares/train";
+  data.height = data.width = data.channels = 1;
+  data.num_examples = 8;
+  data.pixels.assign(8, 1);
+  data.labels.assign(8, 0);
+  worker::BatcherOptions options;
+  options.batch_size = 4;
+  g_refused = 0;
+  g_refuse = 1;
+  auto refused = worker::Batcher::Create(&data, options);
+  g_refuse = 0;
+  EXPECT_EQ(g_refused.load(), 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("could not start the thread that assembles the batches of "
+                                   "squares/train"));
+  auto made = worker::Batcher::Create(&data, options);
+  ASSERT_TRUE(made.ok()) << made.status();
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <numeric>
+#include <system_error>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -157,7 +158,13 @@ absl::StatusOr<std::unique_ptr<Batcher>> Batcher::Create(const Dataset* data,
         data->name, " holds ", shard_size, " examples, fewer than one batch of ",
         options.batch_size, " with drop_remainder"));
   }
-  return std::unique_ptr<Batcher>(new Batcher(data, options, shard_size));
+  try {
+    return std::unique_ptr<Batcher>(new Batcher(data, options, shard_size));
+  } catch (const std::system_error& e) {  // its thread could not be started
+    return absl::ResourceExhaustedError(
+        absl::StrCat("Batcher: could not start the thread that assembles the batches of ",
+                     data->name, ": ", e.what(), " (is the process out of threads?)"));
+  }
 }
 
 Batcher::Batcher(const Dataset* data, const BatcherOptions& options, int64_t shard_size)
