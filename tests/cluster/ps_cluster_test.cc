@@ -1092,6 +1092,7 @@ TEST_F(PsClusterTest, NonFiniteGradientsAreAppliedWhenEveryShardAllowsThem) {
   ASSERT_TRUE(chief->Register(Make(vars, 0.0f).cptrs()).ok());
   auto statuses = chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
+  ASSERT_EQ(statuses->size(), 2u);
   for (const auto& st : *statuses) EXPECT_TRUE(st.allows_non_finite_gradients());
   // Learned at registration: a finite gradient is not even scanned (a
   // scanned push would say so in its header, and the shards count those).
@@ -2133,6 +2134,7 @@ TEST_F(PsClusterTest, WaitingWorkerTakesAnswersOfTwoMomentsForNoRestart) {
   EXPECT_TRUE(worker->Pull(out.ptrs()).ok());
   auto statuses = chief->GetStatus();
   ASSERT_TRUE(statuses.ok()) << statuses.status();
+  ASSERT_EQ(statuses->size(), 2u);
   for (const auto& shard : *statuses) {
     ASSERT_EQ(shard.parts_size(), 1);
     EXPECT_EQ(shard.parts(0).version(), 1);

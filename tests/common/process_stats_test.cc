@@ -6,8 +6,13 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -98,16 +103,30 @@ TEST_F(CgroupLimitTest, CpuQuotaGarbageMeansNoLimit) {
   EXPECT_EQ(internal::CgroupCpuLimit("0::/a\n", root_), 0.0);
 }
 
-TEST(UsableCoresTest, IsAtLeastOneAndAtMostTheMachine) {
-  const int cores = UsableCores();
-  EXPECT_GE(cores, 1);
-  EXPECT_LE(cores, static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
-}
-
 // The cores this thread's mask allows now.
 int AllowedCores() {
   cpu_set_t set;
   return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+}
+
+// What UsableCores should count here, from the mask and this process's
+// cgroup quota (CgroupCpuLimit, tested above on made-up trees): on a CI
+// machine without a CPU limit, its cores.
+int ExpectedUsableCores() {
+  std::ifstream in("/proc/self/cgroup");
+  std::stringstream text;
+  text << in.rdbuf();
+  const double quota = internal::CgroupCpuLimit(text.str(), "/sys/fs/cgroup");
+  int cores = AllowedCores();
+  if (quota > 0) cores = std::min(cores, static_cast<int>(std::floor(quota + 1e-6)));
+  return std::max(1, cores);
+}
+
+TEST(UsableCoresTest, CountsTheMaskWithinTheQuota) {
+  const int cores = UsableCores();
+  EXPECT_EQ(cores, ExpectedUsableCores());
+  EXPECT_GE(cores, 1);
+  EXPECT_LE(cores, static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN)));
 }
 
 // While it lives, this thread may run on the first core of its mask only
@@ -153,7 +172,16 @@ TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
   if (allowed < 2 || allowed != static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN))) {
     GTEST_SKIP() << "needs every core of the machine, at least 2, in this thread's mask";
   }
-  const int full = UsableCores();
+  const int full = ExpectedUsableCores();
+  if (full < 2) GTEST_SKIP() << "a CPU quota of one core hides what the mask does";
+  // The OpenMP variables as they were, put back at the end.
+  const char* const names[] = {"OMP_PROC_BIND", "OMP_PLACES"};
+  std::vector<std::optional<std::string>> before;
+  for (const char* name : names) {
+    const char* value = std::getenv(name);
+    before.push_back(value == nullptr ? std::nullopt : std::optional<std::string>(value));
+    unsetenv(name);
+  }
   int bound = 0, not_bound = 0, placed = 0;
   {
     PinnedToOneCore pin;
@@ -166,6 +194,9 @@ TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
     setenv("OMP_PLACES", "cores", 1);
     placed = UsableCores();
     unsetenv("OMP_PLACES");
+  }
+  for (size_t i = 0; i < before.size(); ++i) {
+    if (before[i].has_value()) setenv(names[i], before[i]->c_str(), 1);
   }
   EXPECT_EQ(bound, full);
   EXPECT_EQ(placed, full);

@@ -77,6 +77,8 @@ LOG_DIR=$work/kill bash "$run" --train_steps=100000 --epochs=1 > "$work/kill.out
 launcher=$!
 if wait_for_processes 2 60 "--summary_json=$work/kill/worker-"; then
   children=$(pgrep -P "$launcher" | tr '\n' ' ')
+  # (None found would make the check below pass on nothing.)
+  [ -n "$children" ] || fail "found none of the launcher's processes to check"
   kill -9 "$launcher"
   wait "$launcher" 2> /dev/null
   left=
