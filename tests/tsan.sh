@@ -72,8 +72,8 @@ suites=(VariableStoreTest BatcherTest TensorChecksTest
         PsClusterTest PsServerStartTest RawPushTest OneCallAtATimeTest CombineStreamStatusesTest
         PushModelTest MalformedRequestTest
         TrainingClusterTest TrainerStartTest TrainerInputTest TrainerGradientTest
-        TrainerPinningTest ProgressTest SummaryJsonTest
-        ThreadLimitTest ThreadLimitDeadlineTest)
+        TrainerPinningTest TrainerClipTest ProgressTest SummaryJsonTest
+        ThreadLimitTest ThreadLimitDeadlineTest ThreadLimitBatcherTest)
 cmake -S "$here" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSFLOW_SANITIZE=thread \
   -DPSFLOW_BUILD_BENCH=OFF -DPSFLOW_ENABLE_CUDA=OFF
 cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"

@@ -1,6 +1,7 @@
 // Multi-process test of the real binaries: 2 ps_server + 2 worker processes
 // configured only through TF_CONFIG (as Kubeflow's TFJob does), training the
 // seed model on Debian's Fashion-MNIST for a few hundred steps.
+#include <poll.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -621,18 +622,24 @@ TEST_F(MultiProcessTest, ShardOutlivesItsLogReader) {
             static_cast<char*>(nullptr));
     ::_exit(127);
   }
+  Track(pid);  // stopped by TearDown if this test ends early
   ::close(out[1]);
   std::string seen;
   char buf[512];
-  ssize_t n;
-  while (!absl::StrContains(seen, "listening on") && (n = ::read(out[0], buf, sizeof(buf))) > 0) {
+  // Reads until the start line, for at most 60 s (a shard that never
+  // printed it used to hold the test until ctest's timeout).
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!absl::StrContains(seen, "listening on") && std::chrono::steady_clock::now() < give_up) {
+    pollfd readable = {out[0], POLLIN, 0};
+    if (::poll(&readable, 1, 1000) <= 0) continue;
+    const ssize_t n = ::read(out[0], buf, sizeof(buf));
+    if (n <= 0) break;
     seen.append(buf, n);
   }
   ::close(out[0]);  // the reader goes away
   ASSERT_THAT(seen, ::testing::HasSubstr("listening on"));
   ::kill(pid, SIGTERM);
-  EXPECT_EQ(psflow::test_support::WaitFor(pid, std::chrono::seconds(20)), 0)
-      << "141 is 128 + SIGPIPE";
+  EXPECT_EQ(Reap(pid, std::chrono::seconds(20)), 0) << "141 is 128 + SIGPIPE";
 }
 
 // With no call in flight, a shard stops at once on SIGTERM, also right after

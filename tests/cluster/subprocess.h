@@ -231,7 +231,11 @@ class ProcessTest : public ::testing::Test {
     return pid;
   }
 
-  // WaitFor a process that Start started, and forget it.
+  // Remembers a process the test started itself (fork), so that TearDown
+  // stops it if the test ends early.
+  void Track(pid_t pid) { pids_.push_back(pid); }
+
+  // WaitFor a process that Start (or Track) took, and forget it.
   int Reap(pid_t pid, std::chrono::seconds timeout) {
     const int code = WaitFor(pid, timeout);
     std::erase(pids_, pid);
