@@ -74,6 +74,23 @@ class FaultTest : public ProcessTest {
     EXPECT_TRUE(NoSanitizerReport(ReadFile(PsLog(i))));
   }
 
+  // Waits for worker 0 (`worker`) to end after shard 1 of `cluster` went
+  // away: exit code 1 and an error naming the call, its step and the shard
+  // after the last attempt; before it, the retries reported as they came.
+  void ExpectWorkerGaveUpOnShard1(const LocalCluster& cluster, pid_t worker) {
+    const int code = Reap(worker, std::chrono::seconds(180));
+    const std::string log = ReadFile(WorkerLog(0));
+    EXPECT_EQ(code, 1) << log;
+    EXPECT_THAT(log, ContainsRegex(absl::StrCat(
+                         "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, "
+                         "batch [0-9]+\\): ps shard 1 \\(",
+                         cluster.ps[1], "\\): .* \\(gave up after")));
+    EXPECT_THAT(log, ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of "
+                                   "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
+    EXPECT_THAT(log, ::testing::Not(HasSubstr("worker: CANCELLED")));
+    EXPECT_TRUE(NoSanitizerReport(log));
+  }
+
   std::string PsLog(int i) const { return absl::StrCat(dir_, "/ps-", i, ".log"); }
   std::string WorkerLog(int i) const { return absl::StrCat(dir_, "/worker-", i, ".log"); }
 
@@ -92,19 +109,7 @@ TEST_F(FaultTest, KilledShardEndsTheWorkerWithAnErrorNamingIt) {
 
   ASSERT_EQ(::kill(ps_[1], SIGKILL), 0);
   Reap(ps_[1], std::chrono::seconds(10));
-  const int code = Reap(worker, std::chrono::seconds(180));
-  const std::string log = ReadFile(WorkerLog(0));
-  EXPECT_EQ(code, 1) << log;
-  // The call and the step it failed in, then the shard.
-  EXPECT_THAT(log,
-              ContainsRegex(absl::StrCat(
-                  "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, batch "
-                  "[0-9]+\\): ps shard 1 \\(",
-                  cluster.ps[1], "\\): .* \\(gave up after")));
-  // While it retried, it said so.
-  EXPECT_THAT(log, ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of "
-                                 "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
-  EXPECT_TRUE(NoSanitizerReport(log));
+  ExpectWorkerGaveUpOnShard1(cluster, worker);
   ExpectShardStopsCleanly(0);
 }
 
@@ -120,17 +125,7 @@ TEST_F(FaultTest, StoppedShardEndsTheWorkerAsUnreachableNotCancelled) {
   ASSERT_TRUE(Training(0, worker));
 
   ExpectShardStopsCleanly(1);
-  const int code = Reap(worker, std::chrono::seconds(180));
-  const std::string log = ReadFile(WorkerLog(0));
-  EXPECT_EQ(code, 1) << log;
-  EXPECT_THAT(log,
-              ContainsRegex(absl::StrCat(
-                  "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, batch "
-                  "[0-9]+\\): ps shard 1 \\(",
-                  cluster.ps[1], "\\): .* \\(gave up after")));
-  EXPECT_THAT(log, HasSubstr("worker 0: retrying a "));
-  EXPECT_THAT(log, ::testing::Not(HasSubstr("worker: CANCELLED")));
-  EXPECT_TRUE(NoSanitizerReport(log));
+  ExpectWorkerGaveUpOnShard1(cluster, worker);
   ExpectShardStopsCleanly(0);
 }
 
