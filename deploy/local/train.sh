@@ -4,7 +4,7 @@
 # 2 parameter servers and 2 asynchronous workers on this machine, 3 epochs
 # at batch 64, and prints the final test accuracy.
 #
-# The PS runs Adam from 0.0015 with cosine decay to 0 over the planned
+# The PS runs Adam from 0.002 with cosine decay to 0 over the planned
 # updates (Keras' CosineDecay; docs/BENCHMARKS.md has the runs that chose it).
 # Arguments go to the workers (e.g. --model=two_conv --epochs=8); the decay
 # follows --epochs and --batch_size given here. PS_FLAGS replaces the
@@ -54,7 +54,7 @@ per_worker=$(( (examples + workers - 1) / workers ))
 steps=$(( epochs * ((per_worker + batch - 1) / batch) ))  # per worker
 if [ "$cap" -gt 0 ] && [ "$cap" -lt "$steps" ]; then steps=$cap; fi
 decay_steps=$(( workers * steps ))
-export PS_FLAGS=${PS_FLAGS:---learning_rate=0.0015 --learning_rate_schedule=cosine --decay_steps=$decay_steps}
+export PS_FLAGS=${PS_FLAGS:---learning_rate=0.002 --learning_rate_schedule=cosine --decay_steps=$decay_steps}
 
 exec bash "$here/deploy/local/run_cluster.sh" --dataset=fashion_mnist --model=seed \
   --batch_size=64 --epochs=3 "$@"
