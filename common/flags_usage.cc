@@ -284,7 +284,7 @@ std::string EmptyOptionalNumberProblem() {
       *std::min_element(empty.begin(), empty.end(),
                         [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
   return absl::StrCat("--", first->Name(),
-                      "= has no value (in a --flagfile or --fromenv); expected ",
+                      "= has no value (in a --flagfile, --fromenv or --tryfromenv); expected ",
                       ExpectedValue(*first), Default(*first), ", or leave the flag out");
 }
 

@@ -36,7 +36,8 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 std::string BadValueProblem(int argc, char** argv);
 
 // After the parse: the first optional number (by name) that was given an
-// empty value, "--port= has no value; ...", else "". Abseil reads "" as
+// empty value, "--port= has no value (in a --flagfile, ...); ...",
+// else "". Abseil reads "" as
 // "not given" there; BadValueProblem refuses that on the command line, but
 // it reads argv, and a --flagfile's "--port=" meant the default port,
 // silently.

@@ -623,8 +623,9 @@ class GrpcPsClient final : public PsClient {
   }
 
   // Whether a retry of shard s's calls is to be told now: the first is,
-  // then one every retry_report_interval at most (a push split over four
-  // connections, or a push and a pull at once, retry together).
+  // then one every retry_report_interval at most (calls to the shard that
+  // fail together, a push and a pull at once or the calls of several
+  // steps, each retry).
   bool TakeRetryReport(int s) {
     absl::MutexLock lock(&report_mu_);
     // A clock that no time adjustment moves (a wall clock set back would

@@ -97,7 +97,8 @@ ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seco
 ABSL_FLAG(double, request_id_retention_s, 900,
           "Seconds the ps shards remember a push's request id (their own "
           "--request_id_retention_s): a failed push is retried only while a retry starts within "
-          "this less --rpc_timeout_s of the push, so that none is applied twice. Where a shard "
+          "this less --rpc_timeout_s and 1 s of the push, so that none is applied twice. Where a "
+          "shard "
           "reports a shorter retention (GetStatus), the worker keeps to that.");
 ABSL_FLAG(int, wait_for_variables_s, 300,
           "How long a worker waits for the cluster: the chief for every ps shard to answer "
@@ -382,9 +383,9 @@ int main(int argc, char** argv) {
                                       int next_attempt, int max_attempts, absl::Duration wait) {
     const std::string line = psflow::ErrorLine(
         absl::StrCat("worker ", replica),
-        absl::StrCat("retrying a ", call, " (attempt ", next_attempt, " of ", max_attempts, ", in ",
-                     absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1))), ") after ",
-                     failed.ToString()));
+        absl::StrCat("retrying a ", call, " (attempt ", next_attempt, " of at most ", max_attempts,
+                     ", in ", absl::FormatDuration(absl::Trunc(wait, absl::Milliseconds(1))),
+                     ") after ", failed.ToString()));
     std::fputs(line.c_str(), stderr);
     std::fflush(stderr);
   };

@@ -174,7 +174,7 @@ while [ "$workers_left" -gt 0 ]; do
     workers_left=$((workers_left - 1))
     continue
   fi
-  # "exit 137 (killed by SIGKILL)": a code over 128 is the launcher's
+  # "(exit 137, killed by SIGKILL)": a code over 128 is the launcher's
   # report of a signal, not the launcher being killed.
   how="exit $status"
   if [ "$status" -gt 128 ] && sig=$(kill -l $((status - 128)) 2>/dev/null); then

@@ -85,8 +85,9 @@ class FaultTest : public ProcessTest {
                          "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, "
                          "batch [0-9]+\\): ps shard 1 \\(",
                          cluster.ps[1], "\\): .* \\(gave up after")));
-    EXPECT_THAT(log, ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of "
-                                   "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
+    EXPECT_THAT(log,
+                ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of at most "
+                              "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
     EXPECT_THAT(log, ::testing::Not(HasSubstr("worker: CANCELLED")));
     EXPECT_TRUE(NoSanitizerReport(log));
   }

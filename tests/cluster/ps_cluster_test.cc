@@ -2445,6 +2445,39 @@ TEST_F(PsClusterTest, ClientKeepsItsOwnRetentionWhereAShardReportsNone) {
   }
 }
 
+// A push is retried only while a retry starts a second inside the
+// retention less the deadline: the shard dates an id a one-way trip after
+// the push began, and the retry's deadline ends there a trip after the
+// client's. Half a second more than the deadline leaves no retry; a second
+// and a half leaves half a second of them (a shard that refuses at once).
+TEST_F(PsClusterTest, PushRetryWindowKeepsASecondInsideTheRetention) {
+  StatusResponse status;
+  status.add_parts();  // the model's one part: the variables are there
+  StatusOnlyShard shard(status);
+  std::string address;
+  std::unique_ptr<grpc::Server> server = test_support::ServeOnLoopback(&shard, &address);
+  ASSERT_NE(server, nullptr);
+  const std::vector<VariableSpec> vars = {{"w", {3}}};
+  for (const auto& [retention, pushes] :
+       {std::pair{absl::Milliseconds(2500), 1}, std::pair{absl::Milliseconds(3500), 3}}) {
+    SCOPED_TRACE(absl::FormatDuration(retention));
+    shard.pushes = 0;
+    GrpcPsClientOptions options;
+    options.ps_addresses = {address};
+    options.retry.max_attempts = 3;
+    options.retry.initial_backoff = absl::Milliseconds(1);
+    options.rpc_timeout = absl::Seconds(2);
+    options.request_id_retention = retention;
+    auto client = CreateGrpcPsClient(vars, options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    ASSERT_TRUE((*client)->WaitForVariables(absl::Seconds(5)).ok());
+    const absl::Status pushed = (*client)->Push(Make(vars, 1.0f).cptrs(), {1, 0});
+    EXPECT_EQ(pushed.code(), absl::StatusCode::kUnavailable) << pushed;
+    EXPECT_EQ(shard.pushes.load(), pushes) << pushed;
+  }
+  server->Shutdown();
+}
+
 // A client that has learned that every shard allows NaN/Inf scans its pushes
 // again once a shard refuses one (it may have been restarted without the
 // flag), until the shards are asked again.

@@ -459,6 +459,33 @@ TEST(SummaryJsonTest, NonFiniteNumbersAreNullAndStringsAreEscaped) {
 // defaults, used here): against a port where nothing listens, and against
 // a shard that accepts connections but never answers (one stopped with
 // SIGSTOP, here a socket that listens but never accepts).
+// A registration the shard refuses (it holds another model) ends the
+// chief with an error that names the call, as the training calls' errors
+// do (it came without one).
+TEST_F(TrainerStartTest, RefusedRegistrationIsNamed) {
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  auto server = server::PsServer::Start(ps);
+  ASSERT_TRUE(server.ok()) << server.status();
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {(*server)->client_address()};
+  // Another model's kernel under the same name, registered first.
+  const std::vector<VariableSpec> other = {{"dense/kernel", {64, 5}}};
+  auto other_client = worker::CreateGrpcPsClient(other, client_options);
+  ASSERT_TRUE(other_client.ok()) << other_client.status();
+  std::vector<float> zeros(64 * 5, 0.0f);
+  const float* other_values[] = {zeros.data()};
+  ASSERT_TRUE((*other_client)->Register(other_values).ok());
+
+  auto client = worker::CreateGrpcPsClient(model_.variables, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  auto failed = worker::Train(model_, backend_.get(), client->get(), train, test, SixSteps());
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kFailedPrecondition) << failed.status();
+  EXPECT_THAT(std::string(failed.status().message()),
+              ::testing::StartsWith("registering the model: ps shard 0 ("));
+}
+
 TEST_F(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
   const std::string refusing = FreeAddress();
   ASSERT_FALSE(refusing.empty());

@@ -109,6 +109,33 @@ int AllowedCores() {
   return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
 }
 
+// While it lives, none of the variables that make OpenMP pin its first
+// thread is set (UsableCores then reads no mask); those set are put back.
+class OpenMpBindingUnset {
+ public:
+  OpenMpBindingUnset() {
+    for (const char* name : kNames) {
+      const char* value = std::getenv(name);
+      before_.push_back(value == nullptr ? std::nullopt : std::optional<std::string>(value));
+      unsetenv(name);
+    }
+  }
+  ~OpenMpBindingUnset() {
+    for (size_t i = 0; i < before_.size(); ++i) {
+      if (before_[i].has_value()) {
+        setenv(kNames[i], before_[i]->c_str(), 1);
+      } else {
+        unsetenv(kNames[i]);
+      }
+    }
+  }
+
+ private:
+  static constexpr const char* kNames[] = {"OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY",
+                                           "KMP_AFFINITY"};
+  std::vector<std::optional<std::string>> before_;
+};
+
 // What UsableCores should count here, from the mask and this process's
 // cgroup quota (CgroupCpuLimit, tested above on made-up trees): on a CI
 // machine without a CPU limit, its cores.
@@ -123,6 +150,7 @@ int ExpectedUsableCores() {
 }
 
 TEST(UsableCoresTest, CountsTheMaskWithinTheQuota) {
+  OpenMpBindingUnset unset;
   const int cores = UsableCores();
   EXPECT_EQ(cores, ExpectedUsableCores());
   EXPECT_GE(cores, 1);
@@ -156,6 +184,7 @@ class PinnedToOneCore {
 // As under `taskset -c N`: one core allowed, one counted.
 TEST(UsableCoresTest, KeepsToTheAffinityMask) {
   if (AllowedCores() < 2) GTEST_SKIP() << "one core allowed: a mask of one shows nothing";
+  OpenMpBindingUnset unset;
   int cores = 0;
   {
     PinnedToOneCore pin;
@@ -174,14 +203,7 @@ TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
   }
   const int full = ExpectedUsableCores();
   if (full < 2) GTEST_SKIP() << "a CPU quota of one core hides what the mask does";
-  // The OpenMP variables as they were, put back at the end.
-  const char* const names[] = {"OMP_PROC_BIND", "OMP_PLACES"};
-  std::vector<std::optional<std::string>> before;
-  for (const char* name : names) {
-    const char* value = std::getenv(name);
-    before.push_back(value == nullptr ? std::nullopt : std::optional<std::string>(value));
-    unsetenv(name);
-  }
+  OpenMpBindingUnset unset;
   int bound = 0, not_bound = 0, placed = 0;
   {
     PinnedToOneCore pin;
@@ -194,9 +216,6 @@ TEST(UsableCoresTest, OpenMpBindingLeavesThePinnedThreadsMaskAside) {
     setenv("OMP_PLACES", "cores", 1);
     placed = UsableCores();
     unsetenv("OMP_PLACES");
-  }
-  for (size_t i = 0; i < before.size(); ++i) {
-    if (before[i].has_value()) setenv(names[i], before[i]->c_str(), 1);
   }
   EXPECT_EQ(bound, full);
   EXPECT_EQ(placed, full);
