@@ -139,12 +139,11 @@ ABSL_FLAG(int64_t, max_variable_bytes, 0,
           "machine's memory, or the limit of this process's cgroup (container, Kubernetes pod) "
           "where lower, less a tenth (at least 64 MiB, at most half) for the rest of the process; "
           "-1 = no limit).");
-ABSL_FLAG(
-    double, request_id_retention_s, 900,
-    "Seconds a push's request id is remembered, so that a retry of it is applied once "
-    "(exactly once); the workers start no retry later than their own "
-    "--request_id_retention_s less --rpc_timeout_s and 1 s after the push began, so give both "
-    "binaries the same value.");
+ABSL_FLAG(double, request_id_retention_s, 900,
+          "Seconds a push's request id is remembered, so that a retry of it is applied once "
+          "(exactly once); the workers start no retry later than their own "
+          "--request_id_retention_s less --rpc_timeout_s and 1 s after the push began, so give "
+          "both binaries the same value.");
 ABSL_FLAG(int64_t, request_ledger_bytes, 32 << 20,
           "About the most memory the remembered request ids may take (about 230 bytes each, more "
           "for a push that left gaps); beyond it the oldest are forgotten before their "

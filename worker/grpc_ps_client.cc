@@ -1300,7 +1300,7 @@ class GrpcPsClient final : public PsClient {
     // rounds it up). Those trips differ by milliseconds, in either
     // direction; the second keeps the retry inside the retention.
     retry.retry_window =
-        std::max(absl::ZeroDuration(), retention - options.rpc_timeout - kRetentionMargin);
+        std::max(absl::ZeroDuration(), retention - options.rpc_timeout - kPushRetryRetentionMargin);
     retry.window_reason =
         absl::StrCat("when the ps shard may have forgotten the push's request id (",
                      shard.empty() ? "it keeps them " : absl::StrCat(shard, " keeps them "),
@@ -1311,7 +1311,6 @@ class GrpcPsClient final : public PsClient {
 
   // A gradient's NaN/Inf scan uses at most this many threads.
   static constexpr int kMaxScanThreads = 8;
-  static constexpr absl::Duration kRetentionMargin = absl::Seconds(1);
 
   const PartitionPlan plan_;
   const GrpcPsClientOptions options_;

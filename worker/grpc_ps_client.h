@@ -31,6 +31,10 @@ namespace psflow::worker {
 using RetryingFn = std::function<void(absl::string_view call, const absl::Status& failed,
                                       int next_attempt, int max_attempts, absl::Duration wait)>;
 
+// What a push's retry window keeps inside request_id_retention less
+// rpc_timeout (GrpcPsClientOptions::request_id_retention).
+inline constexpr absl::Duration kPushRetryRetentionMargin = absl::Seconds(1);
+
 struct GrpcPsClientOptions {
   std::vector<std::string> ps_addresses;  // shard i at ps_addresses[i]; "host:port" or "unix:path"
   int worker_id = 0;

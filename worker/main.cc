@@ -97,9 +97,8 @@ ABSL_FLAG(int, rpc_timeout_s, 60, "Deadline of every call to a ps shard, in seco
 ABSL_FLAG(double, request_id_retention_s, 900,
           "Seconds the ps shards remember a push's request id (their own "
           "--request_id_retention_s): a failed push is retried only while a retry starts within "
-          "this less --rpc_timeout_s and 1 s of the push, so that none is applied twice. Where a "
-          "shard "
-          "reports a shorter retention (GetStatus), the worker keeps to that.");
+          "this less --rpc_timeout_s and 1 s of the push, so that none is applied twice. "
+          "Where a shard reports a shorter retention (GetStatus), the worker keeps to that.");
 ABSL_FLAG(int, wait_for_variables_s, 300,
           "How long a worker waits for the cluster: the chief for every ps shard to answer "
           "(they may start after it), the others for the chief to register the variables "
@@ -369,8 +368,8 @@ int main(int argc, char** argv) {
         absl::StrCat("--request_id_retention_s is ", retention_s, "; expected 0 to 1e9 seconds")));
   }
   client_options.request_id_retention = absl::Seconds(retention_s);
-  // (The client keeps a second's margin: GrpcPsClientOptions.)
-  if (retention_s <= absl::GetFlag(FLAGS_rpc_timeout_s) + 1) {
+  if (client_options.request_id_retention <=
+      client_options.rpc_timeout + kPushRetryRetentionMargin) {
     std::fprintf(stderr,
                  "worker: warning: --request_id_retention_s=%g is not above --rpc_timeout_s=%d "
                  "plus 1 s: no failed push will be retried (a retry must start within the "
