@@ -73,7 +73,7 @@ suites=(VariableStoreTest BatcherTest TensorChecksTest
         PushModelTest MalformedRequestTest
         TrainingClusterTest TrainerStartTest TrainerInputTest TrainerGradientTest
         TrainerPinningTest TrainerClipTest ProgressTest SummaryJsonTest
-        ThreadLimitTest ThreadLimitDeadlineTest ThreadLimitBatcherTest)
+        ThreadLimitTest ThreadLimitDeadlineTest ThreadLimitBatcherTest ThreadLimitTrainerTest)
 cmake -S "$here" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPSFLOW_SANITIZE=thread \
   -DPSFLOW_BUILD_BENCH=OFF -DPSFLOW_ENABLE_CUDA=OFF
 cmake --build "$BUILD_DIR" -j"$JOBS" --target "${targets[@]}"

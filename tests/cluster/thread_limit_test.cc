@@ -12,6 +12,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
+#include <typeinfo>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -24,19 +26,34 @@
 #include "ps_server/grpc_ps_server.h"
 #include "psflow.grpc.pb.h"
 #include "tests/cluster/loopback_server.h"
+#include "worker/backend.h"
 #include "worker/data/batcher.h"
 #include "worker/grpc_ps_client.h"
+#include "worker/model/model_def.h"
+#include "worker/trainer.h"
 
 namespace {
 
 std::atomic<int> g_refuse{0};   // std::thread starts still to refuse
 std::atomic<int> g_refused{0};  // refused so far
+// Refuses, besides, every std::thread start whose callable's type name
+// contains this (a class of the code under test, whose lambda it runs);
+// null: none.
+std::atomic<const char*> g_refuse_callable{nullptr};
 
 // True for a start routine of libstdc++ (std::thread's), not gRPC's.
 bool StartedByStdThread(void* (*start)(void*)) {
   Dl_info info;
   return dladdr(reinterpret_cast<void*>(start), &info) != 0 && info.dli_fname != nullptr &&
          std::strstr(info.dli_fname, "libstdc++") != nullptr;
+}
+
+// True if the std::thread whose state `arg` is (libstdc++ passes its
+// std::thread::_State to pthread_create) runs a callable whose mangled type
+// name contains `part`.
+bool CallableNamed(void* arg, const char* part) {
+  const auto* state = static_cast<std::thread::_State*>(arg);
+  return std::strstr(typeid(*state).name(), part) != nullptr;
 }
 
 }  // namespace
@@ -46,6 +63,11 @@ extern "C" int pthread_create(pthread_t* thread, const pthread_attr_t* attr,
   using Create = int (*)(pthread_t*, const pthread_attr_t*, void* (*)(void*), void*);
   static const auto real = reinterpret_cast<Create>(dlsym(RTLD_NEXT, "pthread_create"));
   if (StartedByStdThread(start)) {
+    const char* callable = g_refuse_callable.load();
+    if (callable != nullptr && CallableNamed(arg, callable)) {
+      g_refused.fetch_add(1);
+      return EAGAIN;
+    }
     int left = g_refuse.load();
     while (left > 0 && !g_refuse.compare_exchange_weak(left, left - 1)) {
     }
@@ -239,6 +261,54 @@ TEST(ThreadLimitBatcherTest, BatcherWithoutItsThreadIsRefused) {
                                    "squares/train"));
   auto made = worker::Batcher::Create(&data, options);
   ASSERT_TRUE(made.ok()) << made.status();
+}
+
+// The trainer, whose thread for pushes and pulls could not be started, fails
+// with a status that says so, after the batcher's thread started and the
+// model was registered; nothing is left running (it ended the process with
+// std::thread's exception before 6618a87).
+TEST(ThreadLimitTrainerTest, TrainerWithoutItsCommThreadIsRefused) {
+  auto model = worker::ParseModel("flatten,dense:2", {2, 2, 1});
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto backend = worker::CreateBackend("cpu", {});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  ASSERT_TRUE((*backend)->Prepare(*model, 4).ok());
+  worker::Dataset data;
+  data.name = "corners";
+  data.height = data.width = 2;
+  data.channels = 1;
+  data.num_classes = 2;
+  data.num_examples = 8;
+  for (int i = 0; i < 8; ++i) {
+    data.labels.push_back(i % 2);
+    for (int p = 0; p < 4; ++p) data.pixels.push_back(p == i % 2 ? 255 : 0);
+  }
+  PsServerOptions server_options;
+  server_options.address = "127.0.0.1:0";
+  auto server = PsServer::Start(server_options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {(*server)->client_address()};
+  auto client = CreateGrpcPsClient(model->variables, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  worker::TrainerOptions options;
+  options.batch_size = 4;
+  options.epochs = 1;
+  options.progress = nullptr;
+
+  g_refused = 0;
+  g_refuse_callable = "CommThread";
+  auto refused = worker::Train(*model, backend->get(), client->get(), data, data, options);
+  g_refuse_callable = nullptr;
+  EXPECT_EQ(g_refused.load(), 1) << "no thread was refused: the test tested nothing";
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("could not start the worker's thread for pushes and pulls"));
+  // The same worker then trains: the refusal left the model registered and
+  // nothing behind that a second run trips over.
+  auto trained = worker::Train(*model, backend->get(), client->get(), data, data, options);
+  ASSERT_TRUE(trained.ok()) << trained.status();
+  EXPECT_EQ(trained->steps, 2);
 }
 
 }  // namespace
