@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""An independent implementation of psflow's partition plan and fingerprint.
+"""An independent implementation of psflow's partition plan and fingerprints.
 
-Written from docs/PROTOCOL.md ("The partition plan"), not from the C++, as a
-client in another language would. It prints the test vectors that
-PROTOCOL.md publishes and that partition_plan_test.cc checks the C++ plan
-against (SeedModelMatchesThePublishedTestVectors), so a change to either
-the rules or the code that the other does not share fails that test.
+Written from docs/PROTOCOL.md ("The partition plan", "The model
+fingerprint"), not from the C++, as a client in another language would. It
+prints the test vectors that PROTOCOL.md publishes and that the C++ is
+checked against (partition_plan_test.cc's
+SeedModelMatchesThePublishedTestVectors, model_def_test.cc's
+ModelFingerprintTest), so a change to either the rules or the code that the
+other does not share fails those tests.
 
 Run (standard library only): python3 tests/common/plan_reference.py
 """
@@ -80,6 +82,26 @@ EDGE_MODEL = [("a", [256, 256]), ("b", [3, 100000]), ("c", [1000, 200]), ("g", [
               ("s", []), ("f", [1000]), ("e", [1000]), ("\u00e9", [1000])]
 
 
+# The model fingerprint's layer kinds, in the order of their numbers.
+LAYER_KINDS = ("conv2d", "maxpool", "flatten", "dense")
+
+
+def model_fingerprint(dataset, input_shape, num_classes, layers):
+    """input_shape: (height, width, channels); layers: [(kind, units, kernel,
+    stride, same_padding, relu)], kind one of LAYER_KINDS."""
+    data = string(b"psflow model 1") + string(dataset.encode("utf-8"))
+    data += b"".join(integer(v) for v in (*input_shape, num_classes)) + integer(len(layers))
+    for kind, *values in layers:
+        data += integer(LAYER_KINDS.index(kind)) + b"".join(integer(int(v)) for v in values)
+    return fnv1a64(data)
+
+
+# conv2d:32:3:relu,flatten,dense:128:relu,dense:10 on Fashion-MNIST, as the
+# worker parses it (a layer without units, kernel or stride has 0, 0, 1).
+SEED_MODEL_LAYERS = [("conv2d", 32, 3, 1, False, True), ("flatten", 0, 0, 1, False, False),
+                     ("dense", 128, 0, 1, False, True), ("dense", 10, 0, 1, False, False)]
+
+
 def show(model, shards):
     parts, fingerprint = plan(model, shards)
     print(f"{shards} shard(s): fingerprint {fingerprint:016x}")
@@ -93,3 +115,5 @@ if __name__ == "__main__":
         show(SEED_MODEL, shards)
     print("edge cases")
     show(EDGE_MODEL, 4)
+    print("seed model's model fingerprint on fashion_mnist: "
+          f"{model_fingerprint('fashion_mnist', (28, 28, 1), 10, SEED_MODEL_LAYERS):016x}")

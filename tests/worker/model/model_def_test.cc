@@ -169,7 +169,8 @@ TEST(ModelFingerprintTest, FollowsLayersAndDataNotSpelling) {
   // builds: FNV-1a 64 of "psflow model 1", the data set's name, the input
   // shape and classes, the layer count, and each layer's kind, units,
   // kernel, stride, same padding and ReLU, as 8-byte little-endian
-  // integers (strings after their length); computed apart, in Python.
+  // integers (strings after their length); computed apart from
+  // docs/PROTOCOL.md by tests/common/plan_reference.py.
   EXPECT_EQ(seed, 0x622aa8d6c4799615u);
 }
 
