@@ -332,6 +332,7 @@ class GrpcPsClient final : public PsClient {
         return RetryOnShard(s, "GetStatus", options_.retry,
                             [&] { return StatusOnce(s, &statuses[s]); });
       }));
+      PSFLOW_RETURN_IF_ERROR(CheckShardIdentities(statuses));
       PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
       LearnIncarnations(statuses);
       const absl::Status registered = ForEachShard(plan_.num_shards(), [&](int s) {
@@ -389,6 +390,7 @@ class GrpcPsClient final : public PsClient {
       if (!statuses.ok()) {
         missing = statuses.status();
       } else {
+        PSFLOW_RETURN_IF_ERROR(CheckShardIdentities(*statuses));
         // Every shard is looked at: one of another model after one that
         // misses its parts is named, not waited for.
         for (int s = 0; s < plan_.num_shards(); ++s) {
@@ -811,6 +813,27 @@ class GrpcPsClient final : public PsClient {
         }
       }
     }
+  }
+
+  // FAILED_PRECONDITION when a shard is not the one this client's list of
+  // addresses puts at its place (another order of the ps tasks, or another
+  // number of them, than the shards were started with). Checked before any
+  // other conclusion is drawn from what the shards hold: a list in another
+  // order makes a shard holding other parts look restarted. A shard that
+  // does not say (num_shards 0, not a psflow shard) is not checked.
+  absl::Status CheckShardIdentities(const std::vector<StatusResponse>& statuses) const {
+    for (int s = 0; s < plan_.num_shards(); ++s) {
+      const StatusResponse& r = statuses[s];
+      if (r.num_shards() == 0 || (r.num_shards() == plan_.num_shards() && r.shard_index() == s)) {
+        continue;
+      }
+      return absl::FailedPreconditionError(absl::StrFormat(
+          "the ps at %s is shard %d of %d, but this worker's ps list makes it shard %d of %d "
+          "(check --ps_hosts / TF_CONFIG: every process must list the same ps tasks in the "
+          "same order)",
+          options_.ps_addresses[s], r.shard_index(), r.num_shards(), s, plan_.num_shards()));
+    }
+    return absl::OkStatus();
   }
 
   // FAILED_PRECONDITION when some shard lacks parts of the model while

@@ -2221,6 +2221,43 @@ TEST_F(PsClusterTest, ChiefOfAnotherPlanIsToldTheVariableNotARestart) {
   EXPECT_THAT(std::string(registered.message()), ::testing::Not(HasSubstr("a model of")));
 }
 
+// A worker whose ps list is in another order than the shards were started
+// with is told so, by the chief's registration and by a waiting worker,
+// and changes nothing. (It was told that a shard had restarted and lost
+// its variables, with advice to restart every shard: the trained values
+// would have been lost for a list to reorder.)
+TEST_F(PsClusterTest, PsListInAnotherOrderIsNamedNotTakenForARestart) {
+  StartCluster(2);
+  const std::vector<VariableSpec> vars = {{"a", {64}}, {"b", {64}}};
+  auto chief = Client(vars);
+  ASSERT_NE(chief, nullptr);
+  ASSERT_EQ(chief->plan().num_shards(), 2);
+  Tensors init = Make(vars, 1.0f);
+  ASSERT_TRUE(chief->Register(init.cptrs()).ok());
+  ASSERT_TRUE(chief->Push(init.cptrs(), {1, 0}).ok());
+  Tensors before = Make(vars, 0.0f);
+  ASSERT_TRUE(chief->Pull(before.ptrs()).ok());
+
+  GrpcPsClientOptions options;
+  options.ps_addresses = {addresses_[1], addresses_[0]};
+  auto reversed = CreateGrpcPsClient(vars, options);
+  ASSERT_TRUE(reversed.ok()) << reversed.status();
+  const std::string named = absl::StrCat("the ps at ", addresses_[1],
+                                         " is shard 1 of 2, but this worker's ps list makes it "
+                                         "shard 0 of 2 (check --ps_hosts / TF_CONFIG");
+  const absl::Status registered = (*reversed)->Register(init.cptrs()).status();
+  EXPECT_EQ(registered.code(), absl::StatusCode::kFailedPrecondition) << registered;
+  EXPECT_THAT(std::string(registered.message()), HasSubstr(named));
+  EXPECT_THAT(std::string(registered.message()), ::testing::Not(HasSubstr("restarted")));
+  const absl::Status waited = (*reversed)->WaitForVariables(absl::Seconds(5));
+  EXPECT_EQ(waited.code(), absl::StatusCode::kFailedPrecondition) << waited;
+  EXPECT_THAT(std::string(waited.message()), HasSubstr(named));
+
+  Tensors after = Make(vars, 0.0f);
+  ASSERT_TRUE(chief->Pull(after.ptrs()).ok());
+  for (size_t v = 0; v < vars.size(); ++v) EXPECT_EQ(after.data[v], before.data[v]);
+}
+
 TEST_F(PsClusterTest, PushWhoseReplyWasLostIsRetriedAndAppliedOnce) {
   for (const char* method : {"/psflow.ParameterServer/Push", "/psflow.ParameterServer/PushPull"}) {
     for (int streams : {1, 3}) {
