@@ -199,11 +199,7 @@ class GrpcPsClient final : public PsClient {
         grpc::ChannelArguments args;
         args.SetMaxReceiveMessageSize(-1);
         args.SetMaxSendMessageSize(-1);
-        // Keepalive (see GrpcPsClientOptions), then the caller's own arguments.
-        AddGrpcArgs(OverrideGrpcArgs(
-                        KeepaliveGrpcArgs(options_.keepalive_time, options_.keepalive_timeout),
-                        options_.grpc_args),
-                    &args);
+        AddGrpcArgs(ClientChannelArgs(options_), &args);
         if (shard.conns.size() > 1) {
           // A subchannel pool of its own, so that each channel opens its own
           // connection instead of sharing one with the shard's other channels.
@@ -1369,6 +1365,13 @@ absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses) {
   return combined;
 }
 
+GrpcArgs ClientChannelArgs(const GrpcPsClientOptions& options) {
+  GrpcArgs args = KeepaliveGrpcArgs(options.keepalive_time, options.keepalive_timeout);
+  args.emplace_back(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
+                    absl::StrCat(absl::ToInt64Milliseconds(options.max_reconnect_backoff)));
+  return OverrideGrpcArgs(std::move(args), options.grpc_args);
+}
+
 absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<VariableSpec> variables,
                                                              const GrpcPsClientOptions& options) {
   if (options.ps_addresses.empty()) {
@@ -1393,7 +1396,8 @@ absl::StatusOr<std::unique_ptr<PsClient>> CreateGrpcPsClient(std::vector<Variabl
   }
   for (const auto& [name, value] :
        {std::pair{"keepalive_time", options.keepalive_time},
-        std::pair{"keepalive_timeout", options.keepalive_timeout}}) {
+        std::pair{"keepalive_timeout", options.keepalive_timeout},
+        std::pair{"max_reconnect_backoff", options.max_reconnect_backoff}}) {
     if (value < absl::Milliseconds(1) || value > absl::Hours(24)) {
       return absl::InvalidArgumentError(absl::StrCat(name, " is ", absl::FormatDuration(value),
                                                      "; expected 1 ms to 24 h"));

@@ -103,6 +103,11 @@ struct GrpcPsClientOptions {
   // (PsServerOptions::min_client_ping_interval).
   absl::Duration keepalive_time = absl::Seconds(30);
   absl::Duration keepalive_timeout = absl::Seconds(20);
+  // The longest a connection that failed waits before gRPC tries again
+  // (grpc.max_reconnect_backoff_ms), as TensorFlow sets it: gRPC's own 120 s
+  // let a chief whose shard started 90 s after it wait 34 s more for it
+  // (the waits grow 1.6x from 1 s), and calls in the meantime fail at once.
+  absl::Duration max_reconnect_backoff = absl::Seconds(1);
   // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
   // like; they override the settings above), for tuning experiments; a
   // value that parses as an integer is passed as one, else as a string.
@@ -116,6 +121,10 @@ struct GrpcPsClientOptions {
 // the shards and the kernel's socket copies already share both cores, and
 // more connections only add threads).
 int AutoStreamsPerShard(int cores);
+
+// The gRPC arguments of the client's channels to the shards: keepalive
+// and reconnection from `options`, then its grpc_args, which win.
+GrpcArgs ClientChannelArgs(const GrpcPsClientOptions& options);
 
 // One status for a call split over a shard's connections: the first error
 // that a retry cannot cure, else a timeout (so that the retry loop counts

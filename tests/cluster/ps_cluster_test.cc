@@ -52,6 +52,7 @@ using server::VariableStore;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using worker::AutoStreamsPerShard;
+using worker::ClientChannelArgs;
 using worker::CombineStreamStatuses;
 using worker::CreateGrpcPsClient;
 using worker::GrpcPsClientOptions;
@@ -2600,6 +2601,35 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
   // then fails only for want of a shard).
   const absl::Status apart = (*client)->PushPull(block_grads, {1, 0}, t.ptrs()).status();
   EXPECT_EQ(apart.code(), absl::StatusCode::kUnavailable) << apart;
+}
+
+// The channels retry a failed connection at least every second, as
+// TensorFlow's do, unless the caller's --grpc_arg says otherwise (gRPC's
+// own backoff grows to 120 s: a chief noticed a shard that started 90 s
+// after it 34 s late, docs/OPERATIONS.md).
+TEST(ClientChannelArgsTest, ReconnectWithinASecondUnlessTheCallerSaysOtherwise) {
+  GrpcPsClientOptions options;
+  auto value_of = [](const GrpcArgs& args, const std::string& name) {
+    std::vector<std::string> values;
+    for (const auto& [n, v] : args) {
+      if (n == name) values.push_back(v);
+    }
+    return values;
+  };
+  const std::string backoff = "grpc.max_reconnect_backoff_ms";
+  EXPECT_THAT(value_of(ClientChannelArgs(options), backoff), ::testing::ElementsAre("1000"));
+  EXPECT_THAT(value_of(ClientChannelArgs(options), "grpc.keepalive_time_ms"),
+              ::testing::ElementsAre("30000"));
+  options.max_reconnect_backoff = absl::Milliseconds(250);
+  EXPECT_THAT(value_of(ClientChannelArgs(options), backoff), ::testing::ElementsAre("250"));
+  options.grpc_args = {{backoff, "5000"}};
+  EXPECT_THAT(value_of(ClientChannelArgs(options), backoff), ::testing::ElementsAre("5000"));
+  options.grpc_args.clear();
+  options.ps_addresses = {"127.0.0.1:1"};
+  options.max_reconnect_backoff = absl::ZeroDuration();
+  const absl::Status refused = CreateGrpcPsClient({{"w", {3}}}, options).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_THAT(refused.message(), HasSubstr("max_reconnect_backoff is 0; expected 1 ms to 24 h"));
 }
 
 // A shard that lacks a variable the client expects there (restarted, or
