@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace psflow {
@@ -45,6 +46,16 @@ absl::Duration Backoff::Next() {
   const absl::Duration wait = current_ * factor;
   current_ = std::min(current_ * options_.multiplier, options_.max_backoff);
   return wait;
+}
+
+namespace {
+constexpr absl::string_view kRetrySummaryStart = " (gave up after ";
+}  // namespace
+
+absl::string_view WithoutRetrySummary(absl::string_view message) {
+  const size_t at = message.rfind(kRetrySummaryStart);
+  if (at == absl::string_view::npos || !absl::EndsWith(message, ")")) return message;
+  return message.substr(0, at);
 }
 
 absl::Status RetryCall(const RetryOptions& options, const std::function<absl::Status()>& attempt,
@@ -93,7 +104,7 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
   }
   return absl::Status(
       status.code(),
-      absl::StrCat(status.message(), " (gave up after ", made, " attempt", made == 1 ? "" : "s",
+      absl::StrCat(status.message(), kRetrySummaryStart, made, " attempt", made == 1 ? "" : "s",
                    timed_out > 0 ? absl::StrCat(", ", timed_out, " of them timed out") : "", why,
                    ")"));
 }

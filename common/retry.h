@@ -75,6 +75,11 @@ absl::Status RetryCall(const RetryOptions& options, const std::function<absl::St
                        const std::function<void(absl::Duration)>& wait_for = nullptr,
                        const RetryObserver& observe = nullptr);
 
+// `message` without the account of the attempts that RetryCall adds to a
+// final error (" (gave up after 3 attempts...)"): for a caller that goes
+// on waiting, to whom "gave up" would say the opposite.
+absl::string_view WithoutRetrySummary(absl::string_view message);
+
 }  // namespace psflow
 
 #endif  // PSFLOW_COMMON_RETRY_H_

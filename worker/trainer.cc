@@ -138,7 +138,7 @@ absl::Status InCall(const absl::Status& status, absl::string_view call) {
 // as long as the other workers wait for it, saying so on `progress`. A
 // client's own retries give up after about 16 s.
 absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
-  const absl::Time deadline = absl::Now() + options.wait_for_variables;
+  const absl::Time start = absl::Now(), deadline = start + options.wait_for_variables;
   while (true) {
     // Each check ends by the wait's deadline (but has at least a second to
     // be answered, however short the wait) and within 10 s, so that a line
@@ -150,15 +150,18 @@ absl::Status WaitForShards(PsClient* client, const TrainerOptions& options) {
     if (!IsRetryable(statuses.status())) {
       return InCall(statuses.status(), "checking the ps shards' status");
     }
+    // What the last check found, without its retries' account: this wait
+    // is what goes on, or gives up.
+    const std::string why(WithoutRetrySummary(statuses.status().message()));
     if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("the ps shards did not all answer within ",
-                       absl::FormatDuration(options.wait_for_variables),
-                       " (--wait_for_variables_s): ", statuses.status().message()));
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the ps shards did not all answer within ",
+          absl::FormatDuration(options.wait_for_variables), " (--wait_for_variables_s): ", why));
     }
     if (options.progress != nullptr) {
-      std::fprintf(options.progress, "waiting for the ps shards: %s\n",
-                   std::string(statuses.status().message()).c_str());
+      std::fprintf(options.progress, "waiting for the ps shards (%s of %s): %s\n",
+                   absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Seconds(1))).c_str(),
+                   absl::FormatDuration(options.wait_for_variables).c_str(), why.c_str());
       std::fflush(options.progress);
     }
     absl::SleepFor(std::min(absl::Seconds(1), deadline - absl::Now()));

@@ -171,6 +171,27 @@ TEST(RetryCallTest, NoRetryStartsPastTheRetryWindow) {
   EXPECT_THAT(s.message(), HasSubstr(absl::StrCat("gave up after ", o.max_attempts, " attempts")));
 }
 
+// A caller that goes on waiting shows the last attempt's error without the
+// account of the attempts ("gave up" would say the opposite), whatever
+// that account holds; a message without one is left whole.
+TEST(RetryCallTest, SummaryComesOffTheFinalErrorAndNothingElse) {
+  RetryOptions o = Fast();
+  o.max_attempts = 2;
+  const absl::Status s = RetryCall(
+      o, [] { return absl::UnavailableError("ps shard 0 (h:1): Connection refused (errno 111)"); });
+  ASSERT_THAT(s.message(), HasSubstr("gave up after 2 attempts"));
+  EXPECT_EQ(WithoutRetrySummary(s.message()), "ps shard 0 (h:1): Connection refused (errno 111)");
+  o.retry_window = absl::ZeroDuration();
+  o.window_reason = "past this status check's deadline";
+  const absl::Status windowed = RetryCall(o, [] { return absl::UnavailableError("refused"); });
+  ASSERT_THAT(windowed.message(), HasSubstr("past this status check's deadline)"));
+  EXPECT_EQ(WithoutRetrySummary(windowed.message()), "refused");
+  for (const char* whole :
+       {"refused", "refused (errno 111)", "x (gave up after 3 attempts) and on", ""}) {
+    EXPECT_EQ(WithoutRetrySummary(whole), whole);
+  }
+}
+
 TEST(RetryCallTest, SuccessAndPermanentErrorsEndAtOnce) {
   int calls = 0;
   EXPECT_TRUE(RetryCall(Fast(), [&] {
