@@ -372,17 +372,23 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   }
 
   int64_t step = 0;
-  bool capped = false;
-  for (int epoch = 0; epoch < options.epochs && !capped; ++epoch) {
+  const auto capped = [&] { return options.train_steps > 0 && step >= options.train_steps; };
+  // The progress shows the epochs and steps that will run, as Keras does
+  // with steps_per_epoch: --train_steps=20 draws 20/20 in "Epoch 1/1", not
+  // 20/938 in "Epoch 1/3" (and no epoch begins with no step left).
+  const int64_t per_epoch = batcher->batches_per_epoch();
+  int64_t shown_epochs = options.epochs;
+  if (options.train_steps > 0 && per_epoch > 0) {
+    shown_epochs = std::min(shown_epochs, (options.train_steps + per_epoch - 1) / per_epoch);
+  }
+  for (int epoch = 0; epoch < options.epochs && !capped(); ++epoch) {
     const absl::Time epoch_start = absl::Now();
-    progress.StartEpoch(epoch + 1, options.epochs, batcher->batches_per_epoch());
+    progress.StartEpoch(
+        epoch + 1, static_cast<int>(shown_epochs),
+        options.train_steps > 0 ? std::min(per_epoch, options.train_steps - step) : per_epoch);
     StepResult totals;
     int64_t seen = 0, epoch_steps = 0;
-    while (true) {
-      if (options.train_steps > 0 && step >= options.train_steps) {
-        capped = true;
-        break;
-      }
+    while (!capped()) {
       absl::Time t = absl::Now();
       const Batch* batch = batcher->Next(epoch);
       summary.wait_data_s += Seconds(t);
@@ -421,7 +427,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
     e.train_loss = seen > 0 ? totals.loss_sum / seen : 0;
     e.train_accuracy = seen > 0 ? static_cast<double>(totals.correct) / seen : 0;
     summary.examples += seen;
-    const bool last = capped || epoch + 1 == options.epochs;
+    const bool last = capped() || epoch + 1 == options.epochs;
     std::string extra;
     if (options.is_chief || last) {
       t = absl::Now();

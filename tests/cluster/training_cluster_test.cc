@@ -430,6 +430,49 @@ TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
   EXPECT_DOUBLE_EQ(summary->examples_per_sec, summary->examples / training);
 }
 
+// With --train_steps, the progress counts the epochs and steps that will
+// run, as Keras shows steps_per_epoch: 6 steps draw "6/6" in "Epoch 1/1"
+// (they drew 6/13 in "Epoch 1/3"), and a cap at an epoch's end starts no
+// epoch of no steps (it printed, evaluated and summed an empty second).
+TEST_F(TrainerStartTest, ProgressCountsTheStepsTheCapLeaves) {
+  server::PsServerOptions ps;
+  ps.address = "127.0.0.1:0";
+  auto server = server::PsServer::Start(ps);
+  ASSERT_TRUE(server.ok()) << server.status();
+  worker::GrpcPsClientOptions client_options;
+  client_options.ps_addresses = {(*server)->client_address()};
+  auto client = worker::CreateGrpcPsClient(model_.variables, client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  const int per_epoch = 13;  // 400 examples in batches of 32, the last one short
+  struct Case {
+    int train_steps;
+    std::vector<std::string> said;  // in this order
+    size_t epochs;
+  };
+  for (const Case& c :
+       {Case{6, {"Epoch 1/1\n", "\n6/6 ["}, 1}, Case{per_epoch, {"Epoch 1/1\n", "\n13/13 ["}, 1},
+        Case{per_epoch + 2, {"Epoch 1/2\n", "\n13/13 [", "Epoch 2/2\n", "\n2/2 ["}, 2}}) {
+    SCOPED_TRACE(c.train_steps);
+    worker::TrainerOptions options = SixSteps();
+    options.epochs = 3;
+    options.train_steps = c.train_steps;
+    FILE* progress = std::tmpfile();
+    ASSERT_NE(progress, nullptr);
+    options.progress = progress;
+    auto summary = worker::Train(model_, backend_.get(), client->get(), train, test, options);
+    const std::string said = ReadAndClose(progress);
+    ASSERT_TRUE(summary.ok()) << summary.status();
+    EXPECT_EQ(summary->steps, c.train_steps);
+    EXPECT_EQ(summary->epochs.size(), c.epochs);
+    size_t at = 0;
+    for (const std::string& part : c.said) {
+      at = said.find(part, at);
+      ASSERT_NE(at, std::string::npos) << "no \"" << part << "\" in order in:\n" << said;
+    }
+    EXPECT_THAT(said, ::testing::Not(::testing::HasSubstr(absl::StrCat("Epoch ", c.epochs + 1))));
+  }
+}
+
 // On a terminal, an epoch stopped early (--train_steps) ends with its last
 // step's line, although steps that come fast are not all drawn.
 TEST(ProgressTest, TerminalEpochEndsWithItsLastStep) {
