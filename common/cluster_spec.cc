@@ -559,11 +559,28 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
       for (int j = 0; j < kNumJobs; ++j) {
         if (!d.jobs[j].empty()) listed.push_back(absl::StrCat("\"", kJobNames[j], "\""));
       }
+      // "master" is the chief: the cluster may list it under either name.
+      const std::string missing =
+          *job == kChief && *d.task_type != kJobNames[kChief]
+              ? absl::StrCat("\"", kJobNames[kChief], "\" or ", Quoted(*d.task_type))
+              : absl::StrCat("\"", kJobNames[*job], "\"");
+      // Where flags may describe the cluster, which of them would mend it.
+      std::string type_flag, hosts_flag;
+      if (flags_possible) {
+        if (!flags->task_type_flag.empty()) {
+          type_flag = absl::StrCat(" (--", flags->task_type_flag, ")");
+        }
+        for (const std::string& f : flags->hosts_flags) {
+          if (absl::StartsWith(f, kJobNames[*job])) {
+            hosts_flag = absl::StrCat("; or list the ", missing, " tasks (--", f, ")");
+          }
+        }
+      }
       return absl::InvalidArgumentError(absl::StrFormat(
-          "%s is \"%s\" but the cluster lists no \"%s\" addresses; expected a task type that "
-          "is in the cluster: %s",
-          d.type_origin.Where(), *d.task_type, kJobNames[*job],
-          listed.empty() ? "it lists none" : absl::StrJoin(listed, ", ")));
+          "%s is %s but the cluster lists no %s addresses; expected a task type that is in the "
+          "cluster%s: %s%s",
+          d.type_origin.Where(), Quoted(*d.task_type), missing, type_flag,
+          listed.empty() ? "it lists none" : absl::StrJoin(listed, ", "), hosts_flag));
     }
     if (d.task_index.value_or(0) != 0) {
       return absl::InvalidArgumentError(absl::StrFormat(

@@ -187,6 +187,30 @@ TEST(ClusterSpecTest, TaskTypeNotInTheClusterListsTheJobsItHas) {
           R"({"cluster":{"chief":["c:1"],"ps":["p:1"]},"task":{"type":"worker","index":0}})"),
       HasSubstr("lists no \"worker\" addresses; expected a task type that is in the cluster: "
                 "\"chief\", \"ps\""));
+  // "master" is the chief, listed under either name: the message says both
+  // (it named only "chief", which the user never wrote).
+  EXPECT_THAT(
+      TfConfigError(R"({"cluster":{"worker":["w:1"],"ps":["p:1"]},"task":{"type":"master"}})"),
+      HasSubstr("\"task.type\" is \"master\" but the cluster lists no \"chief\" or \"master\" "
+                "addresses"));
+  // Given by flags, it names the flags that would mend it: the worker's
+  // default type in a cluster of a chief and shards wants --task_type=chief
+  // (or worker addresses).
+  ClusterFlags flags;
+  flags.ps_hosts = "p:1";
+  flags.chief_host = "c:1";
+  flags.default_task_type = "worker";
+  EXPECT_EQ(ErrorOf(ResolveCluster(nullptr, flags)),
+            "the task type (worker by default) is \"worker\" but the cluster lists no \"worker\" "
+            "addresses; expected a task type that is in the cluster (--task_type): \"chief\", "
+            "\"ps\"; or list the \"worker\" tasks (--worker_hosts)");
+  flags.chief_host.clear();
+  flags.worker_hosts = "w:1";
+  flags.task_type = "chief";
+  EXPECT_THAT(ErrorOf(ResolveCluster(nullptr, flags)),
+              HasSubstr("lists no \"chief\" addresses; expected a task type that is in the "
+                        "cluster (--task_type): \"worker\", \"ps\"; or list the \"chief\" tasks "
+                        "(--chief_host)"));
 }
 
 TEST(ClusterSpecTest, MissingIndexIsZeroOnlyForASingleAddressJob) {
