@@ -361,9 +361,6 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
     if (shard_flag) flags.task_index = *shard_flag;
     auto cluster = psflow::ResolveCluster(tf_config, flags);
     if (!cluster.ok()) return cluster.status();
-    for (const std::string& note : cluster->overrides) {
-      std::fprintf(stderr, "ps_server: warning: %s\n", note.c_str());
-    }
     if (cluster->task_type != "ps") {
       // Also with --shard_index: it does not make a worker's host a shard.
       // (With --shard_index the index is the flag's, not TF_CONFIG's.)
@@ -373,6 +370,11 @@ absl::StatusOr<PsServerOptions> BuildOptions() {
                      : absl::StrCat("TF_CONFIG's task is \"", cluster->task_type, "\" ",
                                     cluster->task_index),
           "; ps_server serves a \"ps\" task (set TF_CONFIG task.type to \"ps\")"));
+    }
+    // After the refusal above: a warning that a flag overrides TF_CONFIG,
+    // then an error that the override cannot be, read as a contradiction.
+    for (const std::string& note : cluster->overrides) {
+      std::fprintf(stderr, "ps_server: warning: %s\n", note.c_str());
     }
     shard_index = cluster->task_index;
     num_shards = static_cast<int>(cluster->ps.size());

@@ -375,13 +375,16 @@ TEST_F(MultiProcessTest, ContradictoryPsServerFlagsAreRefused) {
     EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("--task_"))) << absl::StrJoin(argv, " ");
   }
   // TF_CONFIG says this is a worker: --shard_index must not turn it into a
-  // shard on the worker's host.
-  const auto [code, out] = RunToEnd(
-      {ps, "--shard_index=0"},
-      R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2"]},"task":{"type":"worker"}})");
+  // shard on the worker's host. Refused without first warning that the flag
+  // overrides TF_CONFIG's index, which read as if it had been obeyed.
+  const auto [code, out] =
+      RunToEnd({ps, "--shard_index=0"},
+               R"({"cluster":{"ps":["127.0.0.1:1"],"worker":["127.0.0.1:2","127.0.0.1:3"]},)"
+               R"("task":{"type":"worker","index":1}})");
   EXPECT_EQ(code, 1) << out;
   EXPECT_THAT(out,
               ::testing::HasSubstr("--shard_index=0 but TF_CONFIG's task type is \"worker\";"));
+  EXPECT_THAT(out, ::testing::Not(::testing::HasSubstr("warning"))) << out;
 
   const std::string worker = PSFLOW_WORKER_BIN;
   const std::string hosts[] = {"--ps_hosts=127.0.0.1:1", "--worker_hosts=127.0.0.1:2"};
