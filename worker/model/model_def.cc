@@ -335,6 +335,19 @@ absl::StatusOr<ModelDef> ParseModel(const std::string& spec, Shape3 input) {
         layer.name = numbered("dense", &dense_count);
         break;
     }
+    // A window over a flat input is a layer out of order, not a window too
+    // large: say so (it said "a 3x3 window ... does not fit the input
+    // [1,1,128]").
+    const bool windowed = layer.kind == LayerKind::kConv2D || layer.kind == LayerKind::kMaxPool2D;
+    if (windowed && !model.layers.empty() &&
+        (model.layers.back().kind == LayerKind::kFlatten ||
+         model.layers.back().kind == LayerKind::kDense)) {
+      return TokenError(
+          token,
+          absl::StrCat(layer.name, " needs an image input, but it comes after ",
+                       model.layers.back().name, ", whose output is flat ", ShapeString(current),
+                       "; expected conv2d and maxpool layers before flatten"));
+    }
     layer.input = current;
     if (absl::Status s = InferShape(token, &layer); !s.ok()) return s;
     current = layer.output;

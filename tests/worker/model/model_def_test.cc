@@ -314,7 +314,20 @@ TEST(ParseModelTest, ErrorsNameTheTokenAndWhatWasExpected) {
        kMnist,
        {"token 2 \"dense:10\"", "dense needs a flat input; add flatten before token 2"}},
       {"flatten,dense:10:relu", kMnist, {"token 2 \"dense:10:relu\"", "last layer", "dense"}},
-      {"flatten,dense:10,maxpool:1", kMnist, {"token 3 \"maxpool:1\"", "last layer"}},
+      // A window after the flat layers is out of order, whether or not it
+      // would fit (Keras refuses a Conv2D on a flat input too); it was
+      // "a 3x3 window ... does not fit the input [1,1,128]".
+      {"flatten,dense:10,maxpool:1",
+       kMnist,
+       {"token 3 \"maxpool:1\"", "max_pooling2d needs an image input, but it comes after dense"}},
+      {"flatten,dense:128,conv2d:3:3",
+       kMnist,
+       {"token 3 \"conv2d:3:3\": conv2d needs an image input, but it comes after dense, whose "
+        "output is flat [1,1,128]; expected conv2d and maxpool layers before flatten"}},
+      {"conv2d:4:3,flatten,maxpool:2,dense:10",
+       kMnist,
+       {"max_pooling2d needs an image input, but it comes after flatten, whose output is flat "
+        "[1,1,2704]"}},
       {"conv2d:8:30,flatten,dense:10",
        kMnist,
        {"token 1", "conv2d", "[28,28,1]", "output size <= 0"}},
