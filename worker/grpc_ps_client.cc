@@ -324,10 +324,11 @@ class GrpcPsClient final : public PsClient {
     for (int round = 1;; ++round) {
       // Every shard's state first: what it holds, how large a message it
       // takes, and which start of it this is.
-      PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+      const absl::Status answered = ForEachShard(plan_.num_shards(), [&](int s) {
         return RetryOnShard(s, "GetStatus", options_.retry,
                             [&] { return StatusOnce(s, &statuses[s]); });
-      }));
+      });
+      if (!answered.ok()) return FirstIdentityProblem(statuses, answered);
       PSFLOW_RETURN_IF_ERROR(CheckShardIdentities(statuses));
       PSFLOW_RETURN_IF_ERROR(CheckNoShardLostTrainedModel(statuses));
       LearnIncarnations(statuses);
@@ -553,10 +554,11 @@ class GrpcPsClient final : public PsClient {
       retry.window_reason = "past this status check's deadline";
     }
     std::vector<StatusResponse> out(plan_.num_shards());
-    PSFLOW_RETURN_IF_ERROR(ForEachShard(plan_.num_shards(), [&](int s) {
+    const absl::Status answered = ForEachShard(plan_.num_shards(), [&](int s) {
       return RetryOnShard(s, "GetStatus", retry,
                           [&] { return StatusOnce(s, &out[s], deadline, /*page_size=*/0); });
-    }));
+    });
+    if (!answered.ok()) return FirstIdentityProblem(out, answered);
     return out;
   }
 
@@ -830,6 +832,17 @@ class GrpcPsClient final : public PsClient {
           options_.ps_addresses[s], r.shard_index(), r.num_shards(), s, plan_.num_shards()));
     }
     return absl::OkStatus();
+  }
+
+  // Where some shards did not answer (`failed`), what those that did say of
+  // themselves comes first: a list with more addresses than there are
+  // shards has one that never answers, and the others name the mismatch
+  // (a worker waited out --wait_for_variables_s to say only that one
+  // address did not answer). Unanswered entries are empty (num_shards 0).
+  absl::Status FirstIdentityProblem(const std::vector<StatusResponse>& statuses,
+                                    const absl::Status& failed) const {
+    const absl::Status identities = CheckShardIdentities(statuses);
+    return identities.ok() ? failed : identities;
   }
 
   // FAILED_PRECONDITION when some shard lacks parts of the model while
@@ -1302,8 +1315,9 @@ class GrpcPsClient final : public PsClient {
   // the latest.
   absl::StatusOr<std::vector<StatusResponse>> GetStatusOnce(absl::Time cap) {
     std::vector<StatusResponse> out(plan_.num_shards());
-    PSFLOW_RETURN_IF_ERROR(
-        ForEachShard(plan_.num_shards(), [&](int s) { return StatusOnce(s, &out[s], cap); }));
+    const absl::Status answered =
+        ForEachShard(plan_.num_shards(), [&](int s) { return StatusOnce(s, &out[s], cap); });
+    if (!answered.ok()) return FirstIdentityProblem(out, answered);
     return out;
   }
 

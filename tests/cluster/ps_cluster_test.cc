@@ -2254,6 +2254,27 @@ TEST_F(PsClusterTest, PsListInAnotherOrderIsNamedNotTakenForARestart) {
   EXPECT_EQ(waited.code(), absl::StatusCode::kFailedPrecondition) << waited;
   EXPECT_THAT(std::string(waited.message()), HasSubstr(named));
 
+  // A list with one address more than there are shards: the extra one
+  // never answers, and the others name the mismatch at once (the worker
+  // waited out its whole wait to say that one address did not answer).
+  GrpcPsClientOptions longer;
+  longer.ps_addresses = {addresses_[0], addresses_[1], "127.0.0.1:1"};
+  longer.retry.max_attempts = 2;
+  auto three = CreateGrpcPsClient(vars, longer);
+  ASSERT_TRUE(three.ok()) << three.status();
+  const std::string counted = absl::StrCat("the ps at ", addresses_[0],
+                                           " is shard 0 of 2, but this worker's ps list makes it "
+                                           "shard 0 of 3");
+  const absl::Status waited_for_three = (*three)->WaitForVariables(absl::Seconds(60));
+  EXPECT_EQ(waited_for_three.code(), absl::StatusCode::kFailedPrecondition) << waited_for_three;
+  EXPECT_THAT(std::string(waited_for_three.message()), HasSubstr(counted));
+  const absl::Status registered_three = (*three)->Register(init.cptrs()).status();
+  EXPECT_EQ(registered_three.code(), absl::StatusCode::kFailedPrecondition) << registered_three;
+  EXPECT_THAT(std::string(registered_three.message()), HasSubstr(counted));
+  const auto status_of_three = (*three)->GetStatus(absl::Now() + absl::Seconds(60));
+  EXPECT_EQ(status_of_three.status().code(), absl::StatusCode::kFailedPrecondition)
+      << status_of_three.status();
+
   Tensors after = Make(vars, 0.0f);
   ASSERT_TRUE(chief->Pull(after.ptrs()).ok());
   for (size_t v = 0; v < vars.size(); ++v) EXPECT_EQ(after.data[v], before.data[v]);
