@@ -570,7 +570,10 @@ absl::StatusOr<ClusterSpec> Finish(const Draft& d, const ClusterFlags* flags) {
         if (!flags->task_type_flag.empty()) {
           type_flag = absl::StrCat(" (--", flags->task_type_flag, ")");
         }
-        for (const std::string& f : flags->hosts_flags) {
+        // Not where TF_CONFIG lists the cluster: a hosts flag adding a job
+        // to it is warned against (the other processes see another cluster).
+        for (const std::string& f :
+             d.tf_config_cluster ? std::vector<std::string>{} : flags->hosts_flags) {
           if (absl::StartsWith(f, kJobNames[*job])) {
             hosts_flag = absl::StrCat("; or list the ", missing, " tasks (--", f, ")");
           }

@@ -375,7 +375,7 @@ absl::StatusOr<TrainSummary> Train(const ModelDef& model, ComputeBackend* backen
   const auto capped = [&] { return options.train_steps > 0 && step >= options.train_steps; };
   // The progress shows the epochs and steps that will run, as Keras does
   // with steps_per_epoch: --train_steps=20 draws 20/20 in "Epoch 1/1", not
-  // 20/938 in "Epoch 1/3" (and no epoch begins with no step left).
+  // 20/938 in "Epoch 1/3".
   const int64_t per_epoch = batcher->batches_per_epoch();
   int64_t shown_epochs = options.epochs;
   if (options.train_steps > 0 && per_epoch > 0) {

@@ -432,8 +432,8 @@ TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
 
 // With --train_steps, the progress counts the epochs and steps that will
 // run, as Keras shows steps_per_epoch: 6 steps draw "6/6" in "Epoch 1/1"
-// (they drew 6/13 in "Epoch 1/3"), and a cap at an epoch's end starts no
-// epoch of no steps (it printed, evaluated and summed an empty second).
+// (they drew 6/13 in "Epoch 1/3"); a cap at an epoch's end starts no
+// further epoch.
 TEST_F(TrainerStartTest, ProgressCountsTheStepsTheCapLeaves) {
   server::PsServerOptions ps;
   ps.address = "127.0.0.1:0";

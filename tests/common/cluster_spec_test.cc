@@ -15,6 +15,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 // What Kubeflow's TFJob operator writes for a job with a chief, two workers
 // and two PS, for the task `type`:`index`, with an evaluator listed too (the
@@ -211,6 +212,13 @@ TEST(ClusterSpecTest, TaskTypeNotInTheClusterListsTheJobsItHas) {
               HasSubstr("lists no \"chief\" addresses; expected a task type that is in the "
                         "cluster (--task_type): \"worker\", \"ps\"; or list the \"chief\" tasks "
                         "(--chief_host)"));
+  // Where TF_CONFIG lists the cluster, a hosts flag would add a job the
+  // other processes do not see (ApplyHostsFlag warns of it): not offered.
+  const std::string json =
+      R"({"cluster":{"chief":["c:1"],"ps":["p:1"]},"task":{"type":"worker","index":0}})";
+  const std::string from_tf_config = ErrorOf(ResolveCluster(json.c_str(), ClusterFlags{}));
+  EXPECT_THAT(from_tf_config, HasSubstr("in the cluster (--task_type): \"chief\", \"ps\""));
+  EXPECT_THAT(from_tf_config, Not(HasSubstr("--worker_hosts")));
 }
 
 TEST(ClusterSpecTest, MissingIndexIsZeroOnlyForASingleAddressJob) {

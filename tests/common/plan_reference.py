@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """An independent implementation of psflow's partition plan and fingerprints.
 
-Written from docs/PROTOCOL.md ("The partition plan", "The model
-fingerprint"), not from the C++, as a client in another language would. It
+Written from docs/PROTOCOL.md ("The partition plan", and "The model
+fingerprint" under RegisterVariables), not from the C++, as a client in another language would. It
 prints the test vectors that PROTOCOL.md publishes and that the C++ is
 checked against (partition_plan_test.cc's
 SeedModelMatchesThePublishedTestVectors, model_def_test.cc's
