@@ -1,5 +1,9 @@
 #include "worker/grpc_ps_client.h"
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -193,6 +197,7 @@ class GrpcPsClient final : public PsClient {
     for (int s = 0; s < plan_.num_shards(); ++s) {
       Shard& shard = shards_[s];
       shard.name = absl::StrCat("ps shard ", s, " (", options_.ps_addresses[s], ")");
+      shard.host = HostToResolve(options_.ps_addresses[s]);
       shard.conns.resize(options_.streams_per_shard);  // 1 to 64, checked at creation
       for (size_t k = 0; k < shard.conns.size(); ++k) {
         Connection& c = shard.conns[k];
@@ -588,8 +593,13 @@ class GrpcPsClient final : public PsClient {
     };
     for (int s = 0; s < plan_.num_shards(); ++s) {
       if (only_shard >= 0 && s != only_shard) continue;
+      // Not a channel whose host name has not resolved: asked to connect,
+      // gRPC would try the name and, failing, wait its own backoff of up
+      // to 120 s before trying again (HostResolves).
+      if (!shards_[s].host.empty() && !shards_[s].host_resolved.load()) continue;
       for (Connection& c : shards_[s].conns) watch(c.channel.get());
     }
+    if (pending == 0) absl::SleepFor(wait);  // nothing to watch: wait all the same
     void* tag;
     bool changed;
     // A watch ends with `changed` when its channel's state moved, else at
@@ -672,6 +682,10 @@ class GrpcPsClient final : public PsClient {
 
   struct Shard {
     std::string name;
+    // The host name to resolve before the status checks first use the
+    // channel (HostToResolve; empty: none), and whether it has resolved.
+    std::string host;
+    std::atomic<bool> host_resolved{false};
     std::shared_ptr<grpc::Channel> channel;  // conns[0]'s: Register, Pull, GetStatus
     std::unique_ptr<ParameterServer::Stub> stub;
     std::vector<Connection> conns;                 // streams_per_shard of them
@@ -1302,8 +1316,39 @@ class GrpcPsClient final : public PsClient {
   // Shard s's status with a page of at most `page_size` parts (0: a full
   // page). The client's own checks read the counters and num_parts only,
   // so they ask for one part, not for up to 3 MiB of them.
+  // OK once shard s's host name has resolved (GrpcPsClientOptions::
+  // resolve_host), else UNAVAILABLE naming the shard and why, without
+  // touching its channel.
+  absl::Status HostResolves(int s) {
+    Shard& shard = shards_[s];
+    if (shard.host.empty() || shard.host_resolved.load()) return absl::OkStatus();
+    const absl::Status resolved = options_.resolve_host ? options_.resolve_host(shard.host)
+                                                        : ResolveWithGetaddrinfo(shard.host);
+    if (!resolved.ok()) {
+      return absl::UnavailableError(absl::StrCat(shard.name, ": ", resolved.message()));
+    }
+    shard.host_resolved = true;
+    return absl::OkStatus();
+  }
+
+  static absl::Status ResolveWithGetaddrinfo(const std::string& host) {
+    addrinfo hints = {};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = getaddrinfo(host.c_str(), nullptr, &hints, &found);
+    if (rc == 0) {
+      freeaddrinfo(found);
+      return absl::OkStatus();
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "the name ", host,
+        " does not resolve (yet): ", rc == EAI_SYSTEM ? std::strerror(errno) : gai_strerror(rc)));
+  }
+
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture(),
                           int page_size = 1) {
+    PSFLOW_RETURN_IF_ERROR(HostResolves(s));
     grpc::ClientContext context;
     SetDeadline(&context, cap);
     StatusRequest request;
@@ -1377,6 +1422,22 @@ absl::Status CombineStreamStatuses(absl::Span<const absl::Status> statuses) {
     }
   }
   return combined;
+}
+
+std::string HostToResolve(absl::string_view address) {
+  if (absl::StrContains(address, "://") || absl::StartsWith(address, "unix:") ||
+      absl::StartsWith(address, "unix-abstract:") || absl::StartsWith(address, "ipv4:") ||
+      absl::StartsWith(address, "ipv6:") || absl::StartsWith(address, "dns:") ||
+      absl::StartsWith(address, "[")) {
+    return "";
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos || colon == 0) return "";
+  const std::string host(address.substr(0, colon));
+  if (host.find(':') != std::string::npos) return "";  // a bare IPv6 literal
+  in_addr ipv4;
+  if (inet_pton(AF_INET, host.c_str(), &ipv4) == 1) return "";
+  return host;
 }
 
 GrpcArgs ClientChannelArgs(const GrpcPsClientOptions& options) {

@@ -108,6 +108,15 @@ struct GrpcPsClientOptions {
   // let a chief whose shard started 90 s after it wait 34 s more for it
   // (the waits grow 1.6x from 1 s), and calls in the meantime fail at once.
   absl::Duration max_reconnect_backoff = absl::Seconds(1);
+  // Checks that a shard's host name resolves (HostToResolve) before the
+  // client's status checks first use its channel: OK when it does, else why
+  // not. gRPC tries a name that did not resolve again only after its own
+  // backoff, which grows to 120 s and which no channel argument sets, and a
+  // ps pod's name resolves only once the pod runs: a chief whose shard's
+  // name resolved 60 s after it started went on 15 s after that. While the
+  // name does not resolve, the check fails UNAVAILABLE saying so, and is
+  // retried; the channel is first used once it resolves. Empty: getaddrinfo.
+  std::function<absl::Status(const std::string& host)> resolve_host;
   // Extra gRPC channel arguments ("grpc.http2.write_buffer_size" and the
   // like; they override the settings above), for tuning experiments; a
   // value that parses as an integer is passed as one, else as a string.
@@ -125,6 +134,12 @@ int AutoStreamsPerShard(int cores);
 // The gRPC arguments of the client's channels to the shards: keepalive
 // and reconnection from `options`, then its grpc_args, which win.
 GrpcArgs ClientChannelArgs(const GrpcPsClientOptions& options);
+
+// The host name of a shard's address that the client resolves before
+// using its channel (GrpcPsClientOptions::resolve_host): the host of
+// "host:port"; empty for an IPv4 or [IPv6] literal, "unix:path" and other
+// gRPC target forms ("dns:///...", "ipv4:...").
+std::string HostToResolve(absl::string_view address);
 
 // One status for a call split over a shard's connections: the first error
 // that a retry cannot cure, else a timeout (so that the retry loop counts

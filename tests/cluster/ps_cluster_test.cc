@@ -2628,6 +2628,50 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
 // TensorFlow's do, unless the caller's --grpc_arg says otherwise (gRPC's
 // own backoff grows to 120 s: a chief noticed a shard that started 90 s
 // after it 34 s late, docs/OPERATIONS.md).
+TEST(HostToResolveTest, HostNamesOnly) {
+  EXPECT_EQ(worker::HostToResolve("job-ps-0.ns.svc:2222"), "job-ps-0.ns.svc");
+  EXPECT_EQ(worker::HostToResolve("localhost:2222"), "localhost");
+  for (const char* literal : {"127.0.0.1:2222", "[::1]:2222", "unix:/run/ps0.sock",
+                              "dns:///ps:2222", "ipv4:10.0.0.1:2222", "::1", "2222", ""}) {
+    EXPECT_EQ(worker::HostToResolve(literal), "") << literal;
+  }
+}
+
+// A shard's host name that does not resolve yet (a ps pod not yet running)
+// is checked by the client before gRPC is given it: each status check
+// fails UNAVAILABLE naming it, without touching the channel, and once the
+// name resolves the channel is used and the name is not checked again.
+// (gRPC itself tries again a name that failed only after a backoff that
+// grows to 120 s: a chief went on 15 s after its shard's name resolved.)
+TEST_F(PsClusterTest, ShardNameIsResolvedBeforeItsChannelIsUsed) {
+  StartCluster(1);
+  const std::string port = addresses_[0].substr(addresses_[0].rfind(':') + 1);
+  std::atomic<int> asked{0};
+  GrpcPsClientOptions options;
+  options.ps_addresses = {"localhost:" + port};
+  options.retry.max_attempts = 2;
+  options.retry.initial_backoff = absl::Milliseconds(1);
+  options.resolve_host = [&](const std::string& host) {
+    EXPECT_EQ(host, "localhost");
+    return ++asked <= 3 ? absl::UnavailableError("no such host yet") : absl::OkStatus();
+  };
+  auto client = CreateGrpcPsClient({{"w", {4}}}, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  // Two attempts, both refused by the check.
+  const auto early = (*client)->GetStatus(absl::Now() + absl::Seconds(30));
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable) << early.status();
+  EXPECT_THAT(std::string(early.status().message()),
+              HasSubstr("ps shard 0 (localhost:" + port + "): no such host yet"));
+  EXPECT_EQ(asked.load(), 2);
+  // The third refused, the fourth resolves and the call goes through.
+  const auto later = (*client)->GetStatus(absl::Now() + absl::Seconds(30));
+  ASSERT_TRUE(later.ok()) << later.status();
+  EXPECT_EQ(asked.load(), 4);
+  Tensors init = Make({{"w", {4}}}, 1.0f);
+  ASSERT_TRUE((*client)->Register(init.cptrs()).ok());
+  EXPECT_EQ(asked.load(), 4) << "the name was checked again after it resolved";
+}
+
 TEST(ClientChannelArgsTest, ReconnectWithinASecondUnlessTheCallerSaysOtherwise) {
   GrpcPsClientOptions options;
   auto value_of = [](const GrpcArgs& args, const std::string& name) {
