@@ -124,6 +124,12 @@ void AppendNumber(std::string* out, const char* key, double value, bool comma = 
   }
 }
 
+// Counts exactly: as a double with 6 digits, 345543210 bytes were written
+// 3.45543e+08, and a million steps would have lost their last digits.
+void AppendInteger(std::string* out, const char* key, int64_t value, bool comma = true) {
+  absl::StrAppendFormat(out, "\"%s\": %d%s", key, value, comma ? ", " : "");
+}
+
 // `status` with the call that failed (and its step) before its message;
 // its code and payloads (GradientStillHeld) kept.
 absl::Status InCall(const absl::Status& status, absl::string_view call) {
@@ -492,12 +498,12 @@ std::string SummaryToJson(const TrainSummary& s, const std::string& extra) {
   AppendNumber(&out, "test_loss", s.test_loss);
   AppendNumber(&out, "train_accuracy", s.train_accuracy);
   AppendNumber(&out, "train_loss", s.train_loss);
-  AppendNumber(&out, "steps", static_cast<double>(s.steps));
-  AppendNumber(&out, "examples", static_cast<double>(s.examples));
+  AppendInteger(&out, "steps", s.steps);
+  AppendInteger(&out, "examples", s.examples);
   AppendNumber(&out, "examples_per_sec", s.examples_per_sec);
   AppendNumber(&out, "wall_seconds", s.wall_seconds);
-  AppendNumber(&out, "resident_bytes", static_cast<double>(s.resident_bytes));
-  AppendNumber(&out, "peak_resident_bytes", static_cast<double>(s.peak_resident_bytes));
+  AppendInteger(&out, "resident_bytes", s.resident_bytes);
+  AppendInteger(&out, "peak_resident_bytes", s.peak_resident_bytes);
   out += "\"phases\": {";
   AppendNumber(&out, "setup_s", s.setup_s);
   AppendNumber(&out, "wait_data_s", s.wait_data_s);
@@ -512,14 +518,14 @@ std::string SummaryToJson(const TrainSummary& s, const std::string& extra) {
   for (size_t i = 0; i < s.epochs.size(); ++i) {
     const EpochSummary& e = s.epochs[i];
     out += "{";
-    AppendNumber(&out, "epoch", e.epoch);
-    AppendNumber(&out, "steps", static_cast<double>(e.steps));
+    AppendInteger(&out, "epoch", e.epoch);
+    AppendInteger(&out, "steps", e.steps);
     AppendNumber(&out, "train_loss", e.train_loss);
     AppendNumber(&out, "train_accuracy", e.train_accuracy);
     AppendNumber(&out, "test_loss", e.test_loss);
     AppendNumber(&out, "test_accuracy", e.test_accuracy);
     AppendNumber(&out, "seconds", e.seconds);
-    AppendNumber(&out, "resident_bytes", static_cast<double>(e.resident_bytes), false);
+    AppendInteger(&out, "resident_bytes", e.resident_bytes, false);
     out += i + 1 < s.epochs.size() ? "}, " : "}";
   }
   out += "]}\n";

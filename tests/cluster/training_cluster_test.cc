@@ -505,6 +505,29 @@ TEST(SummaryJsonTest, NonFiniteNumbersAreNullAndStringsAreEscaped) {
   EXPECT_THAT(json, ::testing::Not(::testing::HasSubstr("inf")));
 }
 
+// Counts are written exactly, as integers: a resident size of 345543210
+// bytes read 3.45543e+08, which a strict reader cannot take as an integer.
+TEST(SummaryJsonTest, CountsAreExactIntegers) {
+  worker::TrainSummary summary;
+  summary.steps = 1234567;
+  summary.examples = 79012288;
+  summary.resident_bytes = 345543210;
+  summary.peak_resident_bytes = 9876543210;
+  worker::EpochSummary epoch;
+  epoch.epoch = 3;
+  epoch.steps = 1234567;
+  epoch.resident_bytes = 345543211;
+  summary.epochs.push_back(epoch);
+  const std::string json = worker::SummaryToJson(summary, "");
+  for (const char* exact :
+       {"\"steps\": 1234567, ", "\"examples\": 79012288, ", "\"resident_bytes\": 345543210, ",
+        "\"peak_resident_bytes\": 9876543210, ", "\"epoch\": 3, ",
+        "\"resident_bytes\": 345543211"}) {
+    EXPECT_THAT(json, ::testing::HasSubstr(exact));
+  }
+  EXPECT_THAT(json, ::testing::Not(::testing::HasSubstr("e+")));
+}
+
 // The chief's wait ends when --wait_for_variables_s says, with the
 // client's own retries and deadlines (17 s and 60 s with the worker's
 // defaults, used here): against a port where nothing listens, and against
