@@ -146,8 +146,16 @@ void ForgetEarlierSummary(const std::string& path) {
   }
 }
 
+// What the error line begins with: "worker", then "worker N" once the
+// cluster says which replica this is, so that the last lines of several
+// workers' merged logs tell who failed (as their retry lines do).
+std::string& ErrorPrefix() {
+  static auto* prefix = new std::string("worker");
+  return *prefix;
+}
+
 int Fail(const absl::Status& status) {
-  const std::string line = psflow::ErrorLine("worker", status.ToString());
+  const std::string line = psflow::ErrorLine(ErrorPrefix(), status.ToString());
   std::fwrite(line.data(), 1, line.size(), stderr);
   return 1;
 }
@@ -283,6 +291,7 @@ int main(int argc, char** argv) {
   }
   const int replica = cluster->replica_index();
   const int replicas = cluster->num_replicas();
+  ErrorPrefix() = absl::StrCat("worker ", replica);
 
   auto data = LoadDataset(absl::GetFlag(FLAGS_dataset), absl::GetFlag(FLAGS_data_dir));
   if (!data.ok()) return Fail(data.status());

@@ -82,13 +82,13 @@ class FaultTest : public ProcessTest {
     const std::string log = ReadFile(WorkerLog(0));
     EXPECT_EQ(code, 1) << log;
     EXPECT_THAT(log, ContainsRegex(absl::StrCat(
-                         "\nworker: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, "
+                         "\nworker 0: UNAVAILABLE: the (push|pull) of step [0-9]+ \\(epoch [0-9]+, "
                          "batch [0-9]+\\): ps shard 1 \\(",
                          cluster.ps[1], "\\): .* \\(gave up after")));
     EXPECT_THAT(log,
                 ContainsRegex("\nworker 0: retrying a (Push|Pull|PushPull) \\(attempt 2 of at most "
                               "10, in [0-9]+ms\\) after UNAVAILABLE: ps shard 1 "));
-    EXPECT_THAT(log, ::testing::Not(HasSubstr("worker: CANCELLED")));
+    EXPECT_THAT(log, ::testing::Not(HasSubstr("worker 0: CANCELLED")));
     EXPECT_TRUE(NoSanitizerReport(log));
   }
 
@@ -150,7 +150,7 @@ TEST_F(FaultTest, RestartedShardIsReportedAsRestartedNotAsDown) {
   const std::string log = ReadFile(WorkerLog(0));
   EXPECT_EQ(code, 1) << log;
   EXPECT_THAT(log, ContainsRegex(absl::StrCat(
-                       "\nworker: FAILED_PRECONDITION: the (push|pull) of step [0-9]+ \\(epoch "
+                       "\nworker 0: FAILED_PRECONDITION: the (push|pull) of step [0-9]+ \\(epoch "
                        "[0-9]+, batch [0-9]+\\): ps shard 1 \\(",
                        cluster.ps[1],
                        "\\): (Push|Pull): this shard started after the client "
@@ -179,7 +179,7 @@ TEST_F(FaultTest, FrozenShardEndsTheWorkerAfterItsDeadlines) {
   EXPECT_EQ(code, 1) << log;
   EXPECT_THAT(log,
               ContainsRegex(absl::StrCat(
-                  "\nworker: (DEADLINE_EXCEEDED|UNAVAILABLE): the "
+                  "\nworker 0: (DEADLINE_EXCEEDED|UNAVAILABLE): the "
                   "(push|pull) of step [0-9]+ \\(epoch [0-9]+, batch [0-9]+\\): ps shard 1 \\(",
                   cluster.ps[1], "\\)")));
   EXPECT_TRUE(NoSanitizerReport(log));
