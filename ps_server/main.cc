@@ -488,7 +488,9 @@ int main(int argc, char** argv) {
               : limit >= 1 << 20 ? absl::StrCat("variables up to ", limit >> 20, " MiB").c_str()
                                  : absl::StrCat("variables up to ", limit, " bytes").c_str(),
               options->threads > 0
-                  ? absl::StrCat(", at most ", options->threads, " calls served at once").c_str()
+                  ? absl::StrCat(", at most ", options->threads, " call",
+                                 options->threads == 1 ? "" : "s", " served at once")
+                        .c_str()
                   : "",
               options->store.allow_non_finite_gradients ? ", NaN/Inf gradients applied" : "");
   std::fflush(stdout);

@@ -725,6 +725,7 @@ TEST_F(MultiProcessTest, StartLineSaysWhatLimitsAndPoliciesAreSet) {
       {{}, " MiB\n"},
       {{"--allow_non_finite_gradients"}, " MiB, NaN/Inf gradients applied\n"},
       {{"--threads=3"}, " MiB, at most 3 calls served at once\n"},
+      {{"--threads=1"}, " MiB, at most 1 call served at once\n"},
       {{"--threads=3", "--allow_non_finite_gradients"},
        ", at most 3 calls served at once, NaN/Inf gradients applied\n"},
   };
