@@ -51,6 +51,12 @@ fi
 for arg in "$@"; do
   case $arg in
     --help | -help | --helpfull | --helpshort | --helpmatch=* | --version)
+      if [ "$arg" != --version ]; then
+        # This script's own usage (its header), then the worker's flags.
+        sed -n '2,/^set -euo/p' "$0" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'
+        echo
+        echo "Worker flags, passed to every worker:"
+      fi
       exec "$worker_bin" "$arg" ;;
     --summary_json | --summary_json=*)
       echo "run_cluster: each worker's summary goes to \$LOG_DIR/worker-<index>.json; set" \
@@ -63,13 +69,31 @@ if ! [ -w "$LOG_DIR" ] || ! [ -x "$LOG_DIR" ]; then
   echo "run_cluster: LOG_DIR=$LOG_DIR is not writable by this user" >&2
   exit 1
 fi
+# One run per LOG_DIR: a second wrote over the first's logs and summaries
+# without a word. The lock goes with this script's process (fd 9 is closed
+# for the processes it starts).
+if command -v flock > /dev/null; then
+  exec 9>> "$LOG_DIR/.run_cluster.lock"
+  if ! flock -n 9; then
+    holder=$(cat "$LOG_DIR/.run_cluster.pid" 2> /dev/null || echo "pid unknown")
+    echo "run_cluster: another run_cluster.sh ($holder) uses LOG_DIR=$LOG_DIR; wait for" \
+      "it, or set LOG_DIR to another directory" >&2
+    exit 1
+  fi
+  echo "pid $$" > "$LOG_DIR/.run_cluster.pid"
+fi
 
 # Split on whitespace, never expanded against the current directory.
 read -r -a ps_flags <<< "$PS_FLAGS"
 # Every process gets SIGTERM if this script dies, even by SIGKILL (which
 # runs no cleanup): setpriv, from util-linux, sets the parent-death signal.
+# Each in a session of its own (setsid, from util-linux as well): a Ctrl-C
+# on the terminal reaches this script alone, which then stops every process
+# once. (It reached the shards too, whose shutdown the cleanup's SIGTERM
+# then cut short as a second signal: exit code 1, no "stopped" line.)
 launch=()
 if command -v setpriv > /dev/null; then launch=(setpriv --pdeathsig TERM); fi
+if command -v setsid > /dev/null; then launch+=(setsid); fi
 ps_launch=("${launch[@]}")
 [ -z "$PS_NETNS" ] || ps_launch+=(ip netns exec "$PS_NETNS")
 
@@ -114,6 +138,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'echo "run_cluster: interrupted, stopping the cluster" >&2; exit 130' INT
 trap 'echo "run_cluster: terminated, stopping the cluster" >&2; exit 143' TERM
+trap 'echo "run_cluster: hung up, stopping the cluster" >&2; exit 129' HUP
 
 # The end of a process's log, for a failure's message.
 show_log() {  # role ("ps 0", "worker 1")
@@ -122,10 +147,12 @@ show_log() {  # role ("ps 0", "worker 1")
   tail -n 5 "$log" >&2 || true
 }
 
-echo "run_cluster: $NUM_PS ps + $NUM_WORKERS workers on localhost:$BASE_PORT.., logs in $LOG_DIR"
+plural() { [ "$1" = 1 ] && echo "$1 $2" || echo "$1 ${2}s"; }  # 1 worker, 2 workers
+echo "run_cluster: $NUM_PS ps + $(plural "$NUM_WORKERS" worker) on localhost:$BASE_PORT..," \
+  "logs in $LOG_DIR"
 for i in $(seq 0 $((NUM_PS - 1))); do
   TF_CONFIG=$(tf_config ps "$i") "${ps_launch[@]}" "$ps_bin" --threads=0 "${ps_flags[@]}" \
-    >"$LOG_DIR/ps-$i.log" 2>&1 &
+    >"$LOG_DIR/ps-$i.log" 2>&1 9>&- &
   pids+=($!) running+=($!)
   role[$!]="ps $i"
 done
@@ -148,10 +175,10 @@ for i in $(seq 0 $((NUM_WORKERS - 1))); do
     # (tee in a process substitution, so that $! is the worker itself and
     # the cleanup's SIGTERM reaches it.)
     TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" \
-      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 &
+      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 9>&- &
   else
     TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" \
-      --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 &
+      --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 9>&- &
   fi
   pids+=($!) running+=($!)
   role[$!]="worker $i"
@@ -164,7 +191,9 @@ workers_left=$NUM_WORKERS
 while [ "$workers_left" -gt 0 ]; do
   done_pid=
   status=0
-  wait -n -p done_pid "${running[@]}" || status=$?
+  # (Its stderr away: bash said "line 167: 2730 Killed  TF_CONFIG=... " of a
+  # process killed by a signal, before the message below.)
+  wait -n -p done_pid "${running[@]}" 2> /dev/null || status=$?
   [ -n "$done_pid" ] || continue
   still=()
   for p in "${running[@]}"; do [ "$p" = "$done_pid" ] || still+=("$p"); done

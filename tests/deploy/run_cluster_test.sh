@@ -7,7 +7,9 @@
 #  - a chief killed early ends the run at once (the other worker used to
 #    keep it waiting for the chief's variables, 5 minutes);
 #  - the launcher killed with SIGKILL, which runs no cleanup, leaves none
-#    of its processes running.
+#    of its processes running;
+#  - a Ctrl-C (SIGINT to the launcher's process group) stops the shards
+#    once, cleanly, and a second launcher on the same LOG_DIR is refused.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 export BUILD_DIR=${1:?usage: run_cluster_test.sh BUILD_DIR}
@@ -65,6 +67,9 @@ if wait_for_processes 1 60 "--summary_json=$work/chief/worker-0.json"; then
   rc=$?
   expect "a chief killed early" 137 "run_cluster: worker 0 failed (exit 137, killed by SIGKILL)" $rc \
     "$work/chief.out"
+  # bash's own report of the killed job ("line 167: 2730 Killed ...") is
+  # not the launcher's to print.
+  ! grep -q "Killed" "$work/chief.out" || { fail "bash's job report in the output"; cat "$work/chief.out" >&2; }
   took=$(($(date +%s) - start))
   [ "$took" -le 60 ] || fail "the run ended ${took} s after its chief was killed"
 else
@@ -95,6 +100,29 @@ if wait_for_processes 2 60 "--summary_json=$work/kill/worker-"; then
   fi
 else
   fail "the workers never started"; cat "$work/kill.out" >&2
+  kill "$launcher"; wait "$launcher"
+fi
+
+# A Ctrl-C on a terminal: SIGINT to the launcher's whole process group
+# (its own session here, with SIGINT as a terminal would leave it, not
+# ignored as for a background job). The shards got it too, then the
+# cleanup's SIGTERM as a second signal: exit 1 and no "stopped" line.
+LOG_DIR=$work/int setsid env --default-signal=INT bash "$run" --train_steps=100000 --epochs=1 \
+  > "$work/int.out" 2>&1 &
+launcher=$!
+if wait_for_processes 2 60 "--summary_json=$work/int/worker-"; then
+  # A second run on the same LOG_DIR would write over this one's logs.
+  LOG_DIR=$work/int timeout 60 bash "$run" --train_steps=3 > "$work/second.out" 2>&1
+  expect "a second run on one LOG_DIR" 1 "uses LOG_DIR=$work/int; wait for it" $? "$work/second.out"
+  kill -INT -- "-$launcher"
+  wait "$launcher"
+  expect "a Ctrl-C" 130 "run_cluster: interrupted, stopping the cluster" $? "$work/int.out"
+  for i in 0 1; do
+    grep -q "shard $i stopped after" "$work/int/ps-$i.log" && ! grep -q "second" "$work/int/ps-$i.log" ||
+      { fail "a Ctrl-C: ps $i did not stop cleanly"; cat "$work/int/ps-$i.log" >&2; }
+  done
+else
+  fail "the workers never started"; cat "$work/int.out" >&2
   kill "$launcher"; wait "$launcher"
 fi
 
