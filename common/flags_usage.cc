@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
@@ -239,6 +240,49 @@ std::string BadValueProblem(int argc, char** argv) {
   return "";
 }
 
+std::string FlagfileProblem(int argc, char** argv, const char* program) {
+  for (const FlagArg& arg : FlagArgs(argc, argv)) {
+    if (arg.name != "flagfile" || !arg.value) continue;
+    for (absl::string_view path : absl::StrSplit(*arg.value, ',', absl::SkipEmpty())) {
+      std::ifstream in{std::string(path)};
+      if (!in) continue;  // Abseil names a file it cannot read
+      const std::string where = absl::StrCat("in --flagfile=", path, ": ");
+      // The file's flags as a command line: one argument a line, as Abseil
+      // reads them (blank lines and '#' comments skipped; Abseil refuses
+      // other lines itself).
+      std::vector<std::string> args = {program};
+      for (std::string line; std::getline(in, line);) {
+        const absl::string_view text = absl::StripAsciiWhitespace(line);
+        if (text.empty() || text[0] != '-' || text == "--") continue;
+        const absl::string_view flag = text.substr(text[1] == '-' ? 2 : 1);
+        const absl::string_view name = flag.substr(0, flag.find('='));
+        const size_t space = name.find_first_of(" \t");
+        if (space != absl::string_view::npos) {
+          absl::string_view value = absl::StripLeadingAsciiWhitespace(flag.substr(space));
+          absl::ConsumePrefix(&value, "=");
+          return absl::StrCat(where, "'", text,
+                              "' is not a flag: a flag file holds one flag a line, its value "
+                              "joined with '=' (--",
+                              name.substr(0, space), "=", absl::StripLeadingAsciiWhitespace(value),
+                              ")");
+        }
+        args.emplace_back(text);
+      }
+      std::vector<char*> file_argv;
+      for (std::string& a : args) file_argv.push_back(a.data());
+      const int file_argc = static_cast<int>(file_argv.size());
+      if (std::string unknown = UnknownFlagProblem(file_argc, file_argv.data(), program);
+          !unknown.empty()) {
+        return where + unknown;
+      }
+      if (std::string bad = BadValueProblem(file_argc, file_argv.data()); !bad.empty()) {
+        return where + bad;
+      }
+    }
+  }
+  return "";
+}
+
 namespace {
 
 // ParseFlagsOrExit's before_error_exit while Abseil's own parse runs, which
@@ -300,6 +344,9 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program,
     fail(unknown);
   }
   if (const std::string bad = BadValueProblem(argc, argv); !bad.empty()) fail(bad);
+  if (const std::string in_file = FlagfileProblem(argc, argv, program); !in_file.empty()) {
+    fail(in_file);
+  }
   // absl::ParseCommandLine is this with kHandleUsage, whose exit code for a
   // printed help is 1 in Abseil 20220623 (0 in later releases). Its other
   // exits (a bad value, an unknown flag) stay as they are.

@@ -35,6 +35,16 @@ std::string UnknownFlagProblem(int argc, char** argv, const char* program);
 // follows sets them alike). Call after UnknownFlagProblem.
 std::string BadValueProblem(int argc, char** argv);
 
+// UnknownFlagProblem's and BadValueProblem's findings for the flags inside
+// each --flagfile of the command line (Abseil's own, raw, said "ERROR:
+// Unknown command line flag 'train_step'" with no binary and no guess),
+// prefixed with "in --flagfile=PATH: ", and a line that holds a value
+// after a space ("--overlap false", which Abseil reads as a flag of that
+// name). "" where all are fine or a file cannot be read (Abseil says so).
+// Flag files named inside flag files are not read. Call after
+// BadValueProblem.
+std::string FlagfileProblem(int argc, char** argv, const char* program);
+
 // After the parse: the first optional number (by name) that was given an
 // empty value, "--port= has no value (in a --flagfile, ...); ...",
 // else "". Abseil reads "" as

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -201,14 +202,20 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     // An empty optional number in a flag file meant "not given", silently.
     const std::string empty_flagfile = dir_ + "/empty.flags";
     std::ofstream(empty_flagfile) << "--task_index=\n";
+    ASSERT_EQ(::setenv("FLAGS_task_index", "", 1), 0);
+    absl::Cleanup unset = [] { ::unsetenv("FLAGS_task_index"); };
     for (const auto& [bad, said] :
          {std::pair<std::string, std::string>{"--dataset=no_such_dataset", "no_such_dataset"},
           {"--epochs=0", "--epochs=0"},
           {"--no_such_flag=1", "unknown flag --no_such_flag"},
           {"--epochs=three", "--epochs=three is not a whole number"},
           {"stray", "unexpected argument 'stray'"},
-          {"--flagfile=" + flagfile, "no_such_flag_in_a_file"},
-          {"--flagfile=" + empty_flagfile, "--task_index= has no value (in a --flagfile"}}) {
+          {"--flagfile=" + flagfile, "worker: in --flagfile=" + flagfile +
+                                         ": unknown flag --no_such_flag_in_a_file (worker --help"},
+          {"--flagfile=" + empty_flagfile,
+           "in --flagfile=" + empty_flagfile + ": --task_index= has no value"},
+          // FLAGS_task_index set empty below: the same from the environment.
+          {"--fromenv=task_index", "--task_index= has no value (in a --flagfile, --fromenv"}}) {
       std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
       const auto [code, out] =
           RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, bad, "--summary_json=" + summary});

@@ -5,6 +5,9 @@
 // command line before (or without) parsing.
 #include "common/flags_usage.h"
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
@@ -12,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -158,6 +162,46 @@ std::optional<std::string> Value(std::vector<std::string> args, absl::string_vie
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   return CommandLineValue(static_cast<int>(argv.size()), argv.data(), name);
+}
+
+// The flags inside a --flagfile get the command line's messages, saying
+// which file (Abseil's own said "ERROR: Unknown command line flag
+// 'optimiser'", with no binary and no guess).
+TEST(FlagfileProblemTest, NamesTheFileAndTheFlag) {
+  const std::string dir = ::testing::TempDir();
+  auto problem_in = [&](const std::string& name, const std::string& text) {
+    const std::string path = absl::StrCat(dir, "/flags_usage_test_", getpid(), "_", name);
+    FILE* f = std::fopen(path.c_str(), "w");
+    EXPECT_NE(f, nullptr);
+    if (f == nullptr) return std::string("no file");
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+    std::vector<std::string> args = {"prog", "--batch_size=32", "--flagfile=" + path};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    const std::string problem = FlagfileProblem(static_cast<int>(argv.size()), argv.data(), "prog");
+    std::remove(path.c_str());
+    return absl::StrReplaceAll(problem, {{path, "F"}});
+  };
+  EXPECT_EQ(problem_in("good", "# a comment\n\n  --batch_size=16\n--fused_push_pull\n"), "");
+  EXPECT_EQ(problem_in("unknown", "--batch_size=16\n--optimiser=sgd\n"),
+            "in --flagfile=F: unknown flag --optimiser; did you mean --optimizer? (prog --help "
+            "lists every flag; a cluster is described by TF_CONFIG or by flags)");
+  EXPECT_EQ(problem_in("bad", "--batch_size=16k\n"),
+            "in --flagfile=F: --batch_size=16k is not a whole number (default 64)");
+  EXPECT_EQ(
+      problem_in("spaced", "--fused_push_pull false\n"),
+      "in --flagfile=F: '--fused_push_pull false' is not a flag: a flag file holds one flag a "
+      "line, its value joined with '=' (--fused_push_pull=false)");
+  EXPECT_EQ(problem_in("spaced_equals", "--learning_rate = 0.5\n"),
+            "in --flagfile=F: '--learning_rate = 0.5' is not a flag: a flag file holds one flag a "
+            "line, its value joined with '=' (--learning_rate=0.5)");
+  // A file that cannot be read is Abseil's to name.
+  std::vector<std::string> args = {"prog", "--flagfile=/nonexistent/psflow_flags"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  EXPECT_EQ(FlagfileProblem(2, argv.data(), "prog"), "");
+  absl::SetFlag(&FLAGS_batch_size, 64);
 }
 
 TEST(CommandLineValueTest, FindsTheValueInEveryFormAbseilTakes) {
