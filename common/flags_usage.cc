@@ -240,44 +240,89 @@ std::string BadValueProblem(int argc, char** argv) {
   return "";
 }
 
-std::string FlagfileProblem(int argc, char** argv, const char* program) {
+namespace {
+
+// The arguments of flag file `path` as Abseil reads them: one a line,
+// blank lines and '#' comments skipped (Abseil refuses other lines that
+// do not start with '-' itself); nullopt where it cannot be read (Abseil
+// names it). A line holding a value after a space ("--overlap false",
+// which Abseil takes for a flag of that name) sets `*problem`.
+std::optional<std::vector<std::string>> FlagfileArgs(absl::string_view path, std::string* problem) {
+  std::ifstream in{std::string(path)};
+  if (!in) return std::nullopt;
+  std::vector<std::string> args;
+  for (std::string line; std::getline(in, line);) {
+    const absl::string_view text = absl::StripAsciiWhitespace(line);
+    if (text.size() < 2 || text[0] != '-' || text == "--") continue;
+    const absl::string_view flag = text.substr(text[1] == '-' ? 2 : 1);
+    const absl::string_view name = flag.substr(0, flag.find('='));
+    const size_t space = name.find_first_of(" \t");
+    if (space != absl::string_view::npos && problem->empty()) {
+      absl::string_view value = absl::StripLeadingAsciiWhitespace(flag.substr(space));
+      absl::ConsumePrefix(&value, "=");
+      *problem =
+          absl::StrCat("in --flagfile=", path, ": '", text,
+                       "' is not a flag: a flag file holds one flag a line, its value "
+                       "joined with '=' (--",
+                       name.substr(0, space), "=", absl::StripLeadingAsciiWhitespace(value), ")");
+    }
+    args.emplace_back(text);
+  }
+  return args;
+}
+
+// The paths of argv's --flagfile flags, in order.
+std::vector<std::string> FlagfilePaths(int argc, char** argv) {
+  std::vector<std::string> paths;
   for (const FlagArg& arg : FlagArgs(argc, argv)) {
     if (arg.name != "flagfile" || !arg.value) continue;
     for (absl::string_view path : absl::StrSplit(*arg.value, ',', absl::SkipEmpty())) {
-      std::ifstream in{std::string(path)};
-      if (!in) continue;  // Abseil names a file it cannot read
-      const std::string where = absl::StrCat("in --flagfile=", path, ": ");
-      // The file's flags as a command line: one argument a line, as Abseil
-      // reads them (blank lines and '#' comments skipped; Abseil refuses
-      // other lines itself).
-      std::vector<std::string> args = {program};
-      for (std::string line; std::getline(in, line);) {
-        const absl::string_view text = absl::StripAsciiWhitespace(line);
-        if (text.empty() || text[0] != '-' || text == "--") continue;
-        const absl::string_view flag = text.substr(text[1] == '-' ? 2 : 1);
-        const absl::string_view name = flag.substr(0, flag.find('='));
-        const size_t space = name.find_first_of(" \t");
-        if (space != absl::string_view::npos) {
-          absl::string_view value = absl::StripLeadingAsciiWhitespace(flag.substr(space));
-          absl::ConsumePrefix(&value, "=");
-          return absl::StrCat(where, "'", text,
-                              "' is not a flag: a flag file holds one flag a line, its value "
-                              "joined with '=' (--",
-                              name.substr(0, space), "=", absl::StripLeadingAsciiWhitespace(value),
-                              ")");
-        }
-        args.emplace_back(text);
-      }
-      std::vector<char*> file_argv;
-      for (std::string& a : args) file_argv.push_back(a.data());
-      const int file_argc = static_cast<int>(file_argv.size());
-      if (std::string unknown = UnknownFlagProblem(file_argc, file_argv.data(), program);
-          !unknown.empty()) {
-        return where + unknown;
-      }
-      if (std::string bad = BadValueProblem(file_argc, file_argv.data()); !bad.empty()) {
-        return where + bad;
-      }
+      paths.emplace_back(path);
+    }
+  }
+  return paths;
+}
+
+// `args` as an argv (pointers into it).
+std::vector<char*> Argv(std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return argv;
+}
+
+}  // namespace
+
+std::string FlagfileProblem(int argc, char** argv, const char* program) {
+  // --undefok counts wherever it is given, as Abseil reads it at the end.
+  std::vector<std::string> undefok;
+  std::vector<std::pair<std::string, std::vector<std::string>>> files;
+  std::string problem;
+  for (const std::string& path : FlagfilePaths(argc, argv)) {
+    std::optional<std::vector<std::string>> args = FlagfileArgs(path, &problem);
+    if (!problem.empty()) return problem;
+    if (!args) continue;
+    files.emplace_back(path, *std::move(args));
+  }
+  std::vector<std::string> all(argv, argv + argc);
+  for (const auto& [path, args] : files) all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> all_argv = Argv(all);
+  for (const FlagArg& arg : FlagArgs(static_cast<int>(all_argv.size()), all_argv.data())) {
+    if (arg.name == "undefok" && arg.value)
+      undefok.push_back(absl::StrCat("--undefok=", *arg.value));
+  }
+  for (auto& [path, args] : files) {
+    std::vector<std::string> file_args = {program};
+    file_args.insert(file_args.end(), undefok.begin(), undefok.end());
+    file_args.insert(file_args.end(), args.begin(), args.end());
+    std::vector<char*> file_argv = Argv(file_args);
+    const int file_argc = static_cast<int>(file_argv.size());
+    const std::string where = absl::StrCat("in --flagfile=", path, ": ");
+    if (std::string unknown = UnknownFlagProblem(file_argc, file_argv.data(), program);
+        !unknown.empty()) {
+      return where + unknown;
+    }
+    if (std::string bad = BadValueProblem(file_argc, file_argv.data()); !bad.empty()) {
+      return where + bad;
     }
   }
   return "";
@@ -297,8 +342,27 @@ void RunParseExitHook() {
 }  // namespace
 
 std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name) {
+  // Each --flagfile's flags where it stands, as Abseil reads them (a
+  // file's value, then the command line's after it, which wins).
+  std::vector<std::string> expanded = {argc > 0 ? argv[0] : ""};
+  for (int i = 1; i < argc; ++i) {
+    expanded.emplace_back(argv[i]);
+    std::vector<char*> one = {argv[0], argv[i]};
+    if (i + 1 < argc) one.push_back(argv[i + 1]);  // "--flagfile PATH"
+    const std::vector<std::string> paths = FlagfilePaths(static_cast<int>(one.size()), one.data());
+    if (paths.empty()) continue;
+    if (one.size() == 3 && !absl::StrContains(argv[i], '=')) expanded.emplace_back(argv[++i]);
+    std::string unused;
+    for (const std::string& path : paths) {
+      if (auto args = FlagfileArgs(path, &unused)) {
+        expanded.insert(expanded.end(), args->begin(), args->end());
+      }
+    }
+  }
+  std::vector<char*> expanded_argv = Argv(expanded);
   std::optional<std::string> value;
-  for (const FlagArg& arg : FlagArgs(argc, argv)) {
+  for (const FlagArg& arg :
+       FlagArgs(static_cast<int>(expanded_argv.size()), expanded_argv.data())) {
     if (arg.name == name && arg.value) value = std::string(*arg.value);
   }
   return value;

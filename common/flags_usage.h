@@ -72,7 +72,8 @@ void ParseFlagsOrExit(int argc, char** argv, const char* program,
 // The value the command line gives flag `name` (--name=V, -name=V, or
 // --name V for a flag that is not a bool), the last one where it is given
 // more than once as Abseil keeps the last; nullopt where it is not given.
-// Values in a --flagfile or --fromenv are not seen. For use before, or
+// A --flagfile's values count where the flag stands (flag files named in
+// flag files are not read); --fromenv's are not seen. For use before, or
 // without, parsing: a parse that fails exits.
 std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_view name);
 

@@ -169,12 +169,13 @@ int main(int argc, char** argv) {
       "  or set TF_CONFIG as Kubeflow's TFJob writes it (task.type \"worker\" or \"chief\").",
       "worker/main.cc");
   // A run refused by the flag parser (an unknown flag, a value that is not
-  // a number) fails too, and removes the earlier summary: its path as far as
-  // the flags were parsed (a --flagfile's too), else as the command line
-  // gives it.
+  // a number) fails too, and removes the earlier summary: its path as the
+  // command line gives it, a --flagfile's included (the parse may have
+  // stopped before it set the flag, or set it from a file that a later
+  // flag overrides), else as far as the flags were parsed (--fromenv).
   psflow::ParseFlagsOrExit(argc, argv, "worker", [argc, argv] {
-    std::string path = absl::GetFlag(FLAGS_summary_json);
-    if (path.empty()) path = psflow::CommandLineValue(argc, argv, "summary_json").value_or("");
+    std::string path = psflow::CommandLineValue(argc, argv, "summary_json").value_or("");
+    if (path.empty()) path = absl::GetFlag(FLAGS_summary_json);
     if (!path.empty()) ForgetEarlierSummary(path);
   });
   psflow::TuneAllocatorForLargeMessages();

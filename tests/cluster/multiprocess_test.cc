@@ -227,6 +227,20 @@ TEST_F(MultiProcessTest, SummaryIsWrittenWholeOrTheRunFails) {
     }
   }
   {
+    // The summary's path in a flag file whose other flag is refused: the
+    // check stops before the flag is set, and the path is still found.
+    const std::string summary = dir_ + "/in_file.json";
+    std::ofstream(summary) << "{\"test_accuracy\": 0.9}\n";
+    const std::string flagfile = dir_ + "/summary.flags";
+    std::ofstream(flagfile) << "--no_such_flag_here=1\n--summary_json=" << summary << "\n";
+    const auto [code, out] =
+        RunToEnd({PSFLOW_WORKER_BIN, ps_hosts, worker_hosts, "--flagfile=" + flagfile});
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_THAT(out, ::testing::HasSubstr("unknown flag --no_such_flag_here"));
+    struct stat st {};
+    EXPECT_NE(::stat(summary.c_str(), &st), 0) << "the earlier run's " << summary << " is left";
+  }
+  {
     // A symbolic link stays, and the summary it points to is emptied (the
     // link alone used to be removed, the earlier summary kept).
     const std::string target = dir_ + "/target.json", link = dir_ + "/link.json";

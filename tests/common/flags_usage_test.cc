@@ -196,6 +196,26 @@ TEST(FlagfileProblemTest, NamesTheFileAndTheFlag) {
   EXPECT_EQ(problem_in("spaced_equals", "--learning_rate = 0.5\n"),
             "in --flagfile=F: '--learning_rate = 0.5' is not a flag: a flag file holds one flag a "
             "line, its value joined with '=' (--learning_rate=0.5)");
+  EXPECT_EQ(problem_in("dash", "-\n--batch_size=16\n"), "");
+  // A --undefok counts wherever it stands, the command line's for a file
+  // too, as Abseil reads it.
+  {
+    const std::string path = absl::StrCat(dir, "/flags_usage_test_", getpid(), "_undefok");
+    FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("--other_binarys_flag=1\n", f);
+    std::fclose(f);
+    std::vector<std::string> args = {"prog", "--undefok=other_binarys_flag", "--flagfile=" + path};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    EXPECT_EQ(FlagfileProblem(static_cast<int>(argv.size()), argv.data(), "prog"), "");
+    args.erase(args.begin() + 1);
+    argv.clear();
+    for (std::string& a : args) argv.push_back(a.data());
+    EXPECT_THAT(FlagfileProblem(static_cast<int>(argv.size()), argv.data(), "prog"),
+                ::testing::HasSubstr("unknown flag --other_binarys_flag"));
+    std::remove(path.c_str());
+  }
   // A file that cannot be read is Abseil's to name.
   std::vector<std::string> args = {"prog", "--flagfile=/nonexistent/psflow_flags"};
   std::vector<char*> argv;
@@ -214,6 +234,29 @@ TEST(CommandLineValueTest, FindsTheValueInEveryFormAbseilTakes) {
   EXPECT_EQ(
       Value({"--optimizer=sgd", "--no_such=1", "--batch_size=x", "--optimizer=adam"}, "optimizer"),
       "adam");
+}
+
+// A --flagfile's values count where the flag stands: the last one given,
+// file or command line, is the one Abseil keeps.
+TEST(CommandLineValueTest, SeesAFlagfilesValuesWhereItStands) {
+  const std::string path =
+      absl::StrCat(::testing::TempDir(), "/flags_usage_test_", getpid(), "_value");
+  FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("# settings\n--optimizer=sgd\n", f);
+  std::fclose(f);
+  auto value = [](std::vector<std::string> args) {
+    args.insert(args.begin(), "prog");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return CommandLineValue(static_cast<int>(argv.size()), argv.data(), "optimizer");
+  };
+  EXPECT_EQ(value({"--flagfile=" + path}), "sgd");
+  EXPECT_EQ(value({"--flagfile", path}), "sgd");
+  EXPECT_EQ(value({"--flagfile=" + path, "--optimizer=adam"}), "adam");
+  EXPECT_EQ(value({"--optimizer=adam", "--flagfile=" + path}), "sgd");
+  EXPECT_EQ(value({"--flagfile=/nonexistent/psflow_flags"}), std::nullopt);
+  std::remove(path.c_str());
 }
 
 TEST(CommandLineValueTest, NothingWhereTheFlagIsNotGiven) {
