@@ -680,12 +680,21 @@ class GrpcPsClient final : public PsClient {
     int64_t count;
   };
 
+  // A host name lookup on its own thread (HostResolves).
+  struct HostLookup {
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    absl::Status result ABSL_GUARDED_BY(mu);
+  };
+
   struct Shard {
     std::string name;
     // The host name to resolve before the status checks first use the
     // channel (HostToResolve; empty: none), and whether it has resolved.
     std::string host;
     std::atomic<bool> host_resolved{false};
+    absl::Mutex lookup_mu;
+    std::shared_ptr<HostLookup> lookup ABSL_GUARDED_BY(lookup_mu);  // the one in flight
     std::shared_ptr<grpc::Channel> channel;  // conns[0]'s: Register, Pull, GetStatus
     std::unique_ptr<ParameterServer::Stub> stub;
     std::vector<Connection> conns;                 // streams_per_shard of them
@@ -1313,20 +1322,52 @@ class GrpcPsClient final : public PsClient {
     return NameChunkLimit(s, FromServerStatus(status, shard.name));
   }
 
-  // Shard s's status with a page of at most `page_size` parts (0: a full
-  // page). The client's own checks read the counters and num_parts only,
-  // so they ask for one part, not for up to 3 MiB of them.
   // OK once shard s's host name has resolved (GrpcPsClientOptions::
   // resolve_host), else UNAVAILABLE naming the shard and why, without
-  // touching its channel.
-  absl::Status HostResolves(int s) {
+  // touching its channel. The lookup runs on a thread of its own, one at a
+  // time per shard, and is waited for until `deadline` at most: with its
+  // DNS server unreachable, glibc gives a name 10 s per search domain, past
+  // a status check's deadline; a check that stops waiting leaves the lookup
+  // to the next.
+  absl::Status HostResolves(int s, absl::Time deadline) {
     Shard& shard = shards_[s];
     if (shard.host.empty() || shard.host_resolved.load()) return absl::OkStatus();
-    const absl::Status resolved = options_.resolve_host ? options_.resolve_host(shard.host)
-                                                        : ResolveWithGetaddrinfo(shard.host);
-    if (!resolved.ok()) {
-      return absl::UnavailableError(absl::StrCat(shard.name, ": ", resolved.message()));
+    std::shared_ptr<HostLookup> lookup;
+    {
+      absl::MutexLock lock(&shard.lookup_mu);
+      if (shard.lookup == nullptr) {
+        shard.lookup = std::make_shared<HostLookup>();
+        std::function<absl::Status(const std::string&)> resolve = options_.resolve_host;
+        if (!resolve) resolve = ResolveWithGetaddrinfo;
+        auto run = [lookup = shard.lookup, resolve, host = shard.host] {
+          const absl::Status result = resolve(host);
+          absl::MutexLock done(&lookup->mu);
+          lookup->result = result;
+          lookup->done = true;
+        };
+        try {
+          std::thread(run).detach();
+        } catch (const std::system_error&) {
+          run();  // no thread to be had: look it up here
+        }
+      }
+      lookup = shard.lookup;
     }
+    absl::Status result;
+    {
+      absl::MutexLock lock(&lookup->mu);
+      if (!lookup->mu.AwaitWithDeadline(absl::Condition(&lookup->done), deadline)) {
+        return absl::UnavailableError(
+            absl::StrCat(shard.name, ": the name ", shard.host, " is still being looked up"));
+      }
+      result = lookup->result;
+    }
+    {
+      absl::MutexLock lock(&shard.lookup_mu);
+      if (shard.lookup == lookup) shard.lookup = nullptr;  // the next check looks again
+    }
+    if (!result.ok())
+      return absl::UnavailableError(absl::StrCat(shard.name, ": ", result.message()));
     shard.host_resolved = true;
     return absl::OkStatus();
   }
@@ -1346,9 +1387,12 @@ class GrpcPsClient final : public PsClient {
         " does not resolve (yet): ", rc == EAI_SYSTEM ? std::strerror(errno) : gai_strerror(rc)));
   }
 
+  // Shard s's status with a page of at most `page_size` parts (0: a full
+  // page). The client's own checks read the counters and num_parts only,
+  // so they ask for one part, not for up to 3 MiB of them.
   absl::Status StatusOnce(int s, StatusResponse* out, absl::Time cap = absl::InfiniteFuture(),
                           int page_size = 1) {
-    PSFLOW_RETURN_IF_ERROR(HostResolves(s));
+    PSFLOW_RETURN_IF_ERROR(HostResolves(s, std::min(absl::Now() + options_.rpc_timeout, cap)));
     grpc::ClientContext context;
     SetDeadline(&context, cap);
     StatusRequest request;

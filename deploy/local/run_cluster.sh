@@ -19,6 +19,11 @@
 # at PS_HOST: a network link between workers and servers that tc can shape;
 # see docs/BENCHMARKS.md).
 set -euo pipefail
+# `wait -n -p` (below) came with bash 5.1; without it the loop would spin.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 501)); then
+  echo "run_cluster: needs bash 5.1 or later (this is $BASH_VERSION)" >&2
+  exit 2
+fi
 here=$(cd "$(dirname "$0")/../.." && pwd)
 BUILD_DIR=${BUILD_DIR:-$here/build}
 NUM_PS=${NUM_PS:-2}
@@ -175,7 +180,7 @@ for i in $(seq 0 $((NUM_WORKERS - 1))); do
     # (tee in a process substitution, so that $! is the worker itself and
     # the cleanup's SIGTERM reaches it.)
     TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" \
-      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log") 2>&1 9>&- &
+      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log" 9>&-) 2>&1 9>&- &
   else
     TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 9>&- &

@@ -2624,10 +2624,6 @@ TEST_F(PsClusterTest, ClientRefusesUnusableTimeoutsAndNullTensors) {
   EXPECT_EQ(apart.code(), absl::StatusCode::kUnavailable) << apart;
 }
 
-// The channels retry a failed connection at least every second, as
-// TensorFlow's do, unless the caller's --grpc_arg says otherwise (gRPC's
-// own backoff grows to 120 s: a chief noticed a shard that started 90 s
-// after it 34 s late, docs/OPERATIONS.md).
 TEST(HostToResolveTest, HostNamesOnly) {
   EXPECT_EQ(worker::HostToResolve("job-ps-0.ns.svc:2222"), "job-ps-0.ns.svc");
   EXPECT_EQ(worker::HostToResolve("localhost:2222"), "localhost");
@@ -2672,6 +2668,76 @@ TEST_F(PsClusterTest, ShardNameIsResolvedBeforeItsChannelIsUsed) {
   EXPECT_EQ(asked.load(), 4) << "the name was checked again after it resolved";
 }
 
+// A lookup that hangs (a DNS server that does not answer: glibc waits 10 s
+// per search domain) ends no later than the status check that waits for
+// it; the next check waits for the same lookup rather than start another.
+TEST_F(PsClusterTest, SlowNameLookupKeepsTheChecksDeadline) {
+  StartCluster(1);
+  const std::string port = addresses_[0].substr(addresses_[0].rfind(':') + 1);
+  absl::Notification answer;
+  std::atomic<int> asked{0};
+  GrpcPsClientOptions options;
+  options.ps_addresses = {"localhost:" + port};
+  options.retry.max_attempts = 1;
+  options.resolve_host = [&](const std::string&) {
+    ++asked;
+    answer.WaitForNotification();
+    return absl::OkStatus();
+  };
+  auto client = CreateGrpcPsClient({{"w", {4}}}, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  for (int check = 0; check < 2; ++check) {
+    const auto waiting = (*client)->GetStatus(absl::Now() + absl::Milliseconds(200));
+    EXPECT_EQ(waiting.status().code(), absl::StatusCode::kUnavailable) << waiting.status();
+    EXPECT_THAT(std::string(waiting.status().message()),
+                HasSubstr("the name localhost is still being looked up"));
+  }
+  EXPECT_EQ(asked.load(), 1);
+  answer.Notify();
+  const auto answered = (*client)->GetStatus(absl::Now() + absl::Seconds(30));
+  EXPECT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(asked.load(), 1);
+}
+
+// While the name does not resolve, nothing of the client connects: a plain
+// socket listening where the name would lead has no connection to accept
+// after several checks and their retries (whose waits watch the channels).
+// Had the channel been used, gRPC would have connected to it.
+TEST(HostResolvesTest, ChannelIsLeftAloneWhileTheNameDoesNotResolve) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 8), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  GrpcPsClientOptions options;
+  options.ps_addresses = {absl::StrCat("localhost:", ntohs(addr.sin_port))};
+  options.retry.max_attempts = 4;
+  options.retry.initial_backoff = absl::Milliseconds(20);
+  std::atomic<int> asked{0};
+  options.resolve_host = [&](const std::string&) {
+    ++asked;
+    return absl::UnavailableError("no such host yet");
+  };
+  auto client = CreateGrpcPsClient({{"w", {4}}}, options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  for (int check = 0; check < 2; ++check) {
+    const auto status = (*client)->GetStatus(absl::Now() + absl::Seconds(30));
+    EXPECT_EQ(status.status().code(), absl::StatusCode::kUnavailable) << status.status();
+  }
+  EXPECT_EQ(asked.load(), 8);
+  pollfd pending = {listener, POLLIN, 0};
+  EXPECT_EQ(::poll(&pending, 1, 200), 0) << "the client connected to a name that did not resolve";
+  ::close(listener);
+}
+
+// The channels retry a failed connection at least every second, as
+// TensorFlow's do, unless the caller's --grpc_arg says otherwise (gRPC's
+// own backoff grows to 120 s: a chief noticed a shard that started 90 s
+// after it 34 s late, docs/OPERATIONS.md).
 TEST(ClientChannelArgsTest, ReconnectWithinASecondUnlessTheCallerSaysOtherwise) {
   GrpcPsClientOptions options;
   auto value_of = [](const GrpcArgs& args, const std::string& name) {

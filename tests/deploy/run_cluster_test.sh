@@ -15,7 +15,8 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 export BUILD_DIR=${1:?usage: run_cluster_test.sh BUILD_DIR}
 run=$here/deploy/local/run_cluster.sh
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+launched_in_session=  # a launcher in a session of its own, stopped at the end whatever happens
+trap '[ -z "$launched_in_session" ] || kill -TERM -- "-$launched_in_session" 2> /dev/null; rm -rf "$work"' EXIT
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 # expect NAME WANT_RC WANT_TEXT RC OUTPUT_FILE
@@ -110,16 +111,24 @@ fi
 LOG_DIR=$work/int setsid env --default-signal=INT bash "$run" --train_steps=100000 --epochs=1 \
   > "$work/int.out" 2>&1 &
 launcher=$!
+launched_in_session=$launcher
 if wait_for_processes 2 60 "--summary_json=$work/int/worker-"; then
   # A second run on the same LOG_DIR would write over this one's logs.
   LOG_DIR=$work/int timeout 60 bash "$run" --train_steps=3 > "$work/second.out" 2>&1
   expect "a second run on one LOG_DIR" 1 "uses LOG_DIR=$work/int; wait for it" $? "$work/second.out"
   kill -INT -- "-$launcher"
+  # (At most 60 s: a launcher that ignored it would run its 100000 steps.)
+  for _ in $(seq 600); do kill -0 "$launcher" 2> /dev/null || break; sleep 0.1; done
+  kill -0 "$launcher" 2> /dev/null && { fail "a Ctrl-C did not stop the launcher"; kill -KILL -- "-$launcher"; }
   wait "$launcher"
   expect "a Ctrl-C" 130 "run_cluster: interrupted, stopping the cluster" $? "$work/int.out"
+  # Each shard heard one signal, the launcher's SIGTERM (the Ctrl-C's SIGINT
+  # reached them too, and the SIGTERM then cut their shutdown short).
   for i in 0 1; do
-    grep -q "shard $i stopped after" "$work/int/ps-$i.log" && ! grep -q "second" "$work/int/ps-$i.log" ||
-      { fail "a Ctrl-C: ps $i did not stop cleanly"; cat "$work/int/ps-$i.log" >&2; }
+    grep -q "shard $i received SIGTERM" "$work/int/ps-$i.log" &&
+      grep -q "shard $i stopped after" "$work/int/ps-$i.log" &&
+      ! grep -q "SIGINT" "$work/int/ps-$i.log" ||
+      { fail "a Ctrl-C: ps $i did not stop once, cleanly"; cat "$work/int/ps-$i.log" >&2; }
   done
 else
   fail "the workers never started"; cat "$work/int.out" >&2
