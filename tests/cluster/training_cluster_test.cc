@@ -367,9 +367,22 @@ class TrainerStartTest : public ::testing::Test {
     return probe.ok() ? (*probe)->client_address() : "";
   }
 
+  // A shard of the test's own on a free loopback port, and client options
+  // that reach it.
+  void StartShard() {
+    server::PsServerOptions ps;
+    ps.address = "127.0.0.1:0";
+    auto server = server::PsServer::Start(ps);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    shard_options_.ps_addresses = {server_->client_address()};
+  }
+
   const Dataset train = MakeSquares(400, 1), test = MakeSquares(100, 2);
   worker::ModelDef model_;
   std::unique_ptr<worker::ComputeBackend> backend_;
+  std::unique_ptr<server::PsServer> server_;
+  worker::GrpcPsClientOptions shard_options_;
 };
 
 // The ps shards may start after the chief, as a cluster's pods do: the
@@ -435,12 +448,8 @@ TEST_F(TrainerStartTest, ChiefWaitsForShardsThatStartAfterIt) {
 // (they drew 6/13 in "Epoch 1/3"); a cap at an epoch's end starts no
 // further epoch.
 TEST_F(TrainerStartTest, ProgressCountsTheStepsTheCapLeaves) {
-  server::PsServerOptions ps;
-  ps.address = "127.0.0.1:0";
-  auto server = server::PsServer::Start(ps);
-  ASSERT_TRUE(server.ok()) << server.status();
-  worker::GrpcPsClientOptions client_options;
-  client_options.ps_addresses = {(*server)->client_address()};
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const worker::GrpcPsClientOptions client_options = shard_options_;
   auto client = worker::CreateGrpcPsClient(model_.variables, client_options);
   ASSERT_TRUE(client.ok()) << client.status();
   const int per_epoch = 13;  // 400 examples in batches of 32, the last one short
@@ -528,21 +537,12 @@ TEST(SummaryJsonTest, CountsAreExactIntegers) {
   EXPECT_THAT(json, ::testing::Not(::testing::HasSubstr("e+")));
 }
 
-// The chief's wait ends when --wait_for_variables_s says, with the
-// client's own retries and deadlines (17 s and 60 s with the worker's
-// defaults, used here): against a port where nothing listens, and against
-// a shard that accepts connections but never answers (one stopped with
-// SIGSTOP, here a socket that listens but never accepts).
 // A registration the shard refuses (it holds another model) ends the
 // chief with an error that names the call, as the training calls' errors
 // do (it came without one).
 TEST_F(TrainerStartTest, RefusedRegistrationIsNamed) {
-  server::PsServerOptions ps;
-  ps.address = "127.0.0.1:0";
-  auto server = server::PsServer::Start(ps);
-  ASSERT_TRUE(server.ok()) << server.status();
-  worker::GrpcPsClientOptions client_options;
-  client_options.ps_addresses = {(*server)->client_address()};
+  ASSERT_NO_FATAL_FAILURE(StartShard());
+  const worker::GrpcPsClientOptions client_options = shard_options_;
   // Another model's kernel under the same name, registered first.
   const std::vector<VariableSpec> other = {{"dense/kernel", {64, 5}}};
   auto other_client = worker::CreateGrpcPsClient(other, client_options);
@@ -560,6 +560,11 @@ TEST_F(TrainerStartTest, RefusedRegistrationIsNamed) {
               ::testing::StartsWith("registering the model: ps shard 0 ("));
 }
 
+// The chief's wait ends when --wait_for_variables_s says, with the
+// client's own retries and deadlines (17 s and 60 s with the worker's
+// defaults, used here): against a port where nothing listens, and against
+// a shard that accepts connections but never answers (one stopped with
+// SIGSTOP, here a socket that listens but never accepts).
 TEST_F(TrainerStartTest, ChiefStopsWaitingWhenItsWaitIsOver) {
   const std::string refusing = FreeAddress();
   ASSERT_FALSE(refusing.empty());
