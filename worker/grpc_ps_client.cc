@@ -1366,8 +1366,9 @@ class GrpcPsClient final : public PsClient {
       absl::MutexLock lock(&shard.lookup_mu);
       if (shard.lookup == lookup) shard.lookup = nullptr;  // the next check looks again
     }
-    if (!result.ok())
+    if (!result.ok()) {
       return absl::UnavailableError(absl::StrCat(shard.name, ": ", result.message()));
+    }
     shard.host_resolved = true;
     return absl::OkStatus();
   }

@@ -180,7 +180,8 @@ for i in $(seq 0 $((NUM_WORKERS - 1))); do
     # (tee in a process substitution, so that $! is the worker itself and
     # the cleanup's SIGTERM reaches it.)
     TF_CONFIG=$(tf_config worker 0) "${launch[@]}" "$worker_bin" \
-      --summary_json="$LOG_DIR/worker-0.json" "$@" > >(tee "$LOG_DIR/worker-0.log" 9>&-) 2>&1 9>&- &
+      --summary_json="$LOG_DIR/worker-0.json" "$@" \
+      > >(tee "$LOG_DIR/worker-0.log" 9>&-) 2>&1 9>&- &
   else
     TF_CONFIG=$(tf_config worker "$i") "${launch[@]}" "$worker_bin" \
       --summary_json="$LOG_DIR/worker-$i.json" "$@" >"$LOG_DIR/worker-$i.log" 2>&1 9>&- &
