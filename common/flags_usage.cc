@@ -307,8 +307,9 @@ std::string FlagfileProblem(int argc, char** argv, const char* program) {
   for (const auto& [path, args] : files) all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> all_argv = Argv(all);
   for (const FlagArg& arg : FlagArgs(static_cast<int>(all_argv.size()), all_argv.data())) {
-    if (arg.name == "undefok" && arg.value)
+    if (arg.name == "undefok" && arg.value) {
       undefok.push_back(absl::StrCat("--undefok=", *arg.value));
+    }
   }
   for (auto& [path, args] : files) {
     std::vector<std::string> file_args = {program};
@@ -347,11 +348,14 @@ std::optional<std::string> CommandLineValue(int argc, char** argv, absl::string_
   std::vector<std::string> expanded = {argc > 0 ? argv[0] : ""};
   for (int i = 1; i < argc; ++i) {
     expanded.emplace_back(argv[i]);
+    // The argument alone, or with the next where it may be its value
+    // ("--flagfile PATH"); a joined "--flagfile=a" is not paired with the
+    // next, which would read a "--flagfile=b" after it twice.
     std::vector<char*> one = {argv[0], argv[i]};
-    if (i + 1 < argc) one.push_back(argv[i + 1]);  // "--flagfile PATH"
+    if (!absl::StrContains(argv[i], '=') && i + 1 < argc) one.push_back(argv[i + 1]);
     const std::vector<std::string> paths = FlagfilePaths(static_cast<int>(one.size()), one.data());
     if (paths.empty()) continue;
-    if (one.size() == 3 && !absl::StrContains(argv[i], '=')) expanded.emplace_back(argv[++i]);
+    if (one.size() == 3) expanded.emplace_back(argv[++i]);
     std::string unused;
     for (const std::string& path : paths) {
       if (auto args = FlagfileArgs(path, &unused)) {

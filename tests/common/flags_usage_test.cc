@@ -255,6 +255,15 @@ TEST(CommandLineValueTest, SeesAFlagfilesValuesWhereItStands) {
   EXPECT_EQ(value({"--flagfile", path}), "sgd");
   EXPECT_EQ(value({"--flagfile=" + path, "--optimizer=adam"}), "adam");
   EXPECT_EQ(value({"--optimizer=adam", "--flagfile=" + path}), "sgd");
+  // Two files in a row: the later one's value wins.
+  const std::string other = path + "_other";
+  FILE* g = std::fopen(other.c_str(), "w");
+  ASSERT_NE(g, nullptr);
+  std::fputs("--optimizer=lion\n", g);
+  std::fclose(g);
+  EXPECT_EQ(value({"--flagfile=" + other, "--flagfile=" + path}), "sgd");
+  EXPECT_EQ(value({"--flagfile=" + path, "--flagfile=" + other}), "lion");
+  std::remove(other.c_str());
   EXPECT_EQ(value({"--flagfile=/nonexistent/psflow_flags"}), std::nullopt);
   std::remove(path.c_str());
 }
